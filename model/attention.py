@@ -1,0 +1,197 @@
+"""Causal multi-head self-attention, written out step by step.
+
+Shape glossary (used in every shape comment of this package):
+    B   batch size
+    T   sequence length of the input (queries when training)
+    Tq  number of query positions, Tk number of key positions (Tk >= Tq when decoding
+        against a cache of earlier keys)
+    C   embedding width (n_embd)
+    H   number of heads (n_head)
+    D   width of one head, C // H
+    V   vocabulary size
+
+`attention` is the whole mechanism in five visible steps; `causal_mask` decides which key each
+query may read; `CausalSelfAttention` wraps them with the projections and head bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["attention", "causal_mask", "combine_masks", "CausalSelfAttention", "KVCache"]
+
+
+def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> Tensor:
+    """Which keys each query may read: key j is allowed for query i iff j <= i + (Tk - Tq).
+
+    The offset (Tk - Tq) aligns the queries with the *last* Tq keys, so the same function serves
+    training (Tq == Tk: the usual lower triangle) and decoding, where Tq new queries attend to a
+    longer history of Tk keys that ends with their own.
+
+    Args:
+        Tq: number of query positions (>= 1).
+        Tk: number of key positions (>= Tq).
+        device: where to build the mask.
+    Returns:
+        allowed: bool tensor (Tq, Tk); True means "this query may read this key".
+    """
+    if Tq < 1 or Tk < Tq:
+        raise ValueError(f"causal_mask needs 1 <= Tq <= Tk, got Tq={Tq}, Tk={Tk}")
+    q_pos = torch.arange(Tq, device=device).unsqueeze(1) + (Tk - Tq)  # (Tq, 1) absolute positions
+    k_pos = torch.arange(Tk, device=device).unsqueeze(0)  # (1, Tk)
+    return k_pos <= q_pos  # (Tq, Tk)
+
+
+def combine_masks(allowed: Tensor, key_padding: Tensor | None) -> Tensor:
+    """Combine a causal mask with a key padding mask.
+
+    Args:
+        allowed: bool (Tq, Tk), e.g. from `causal_mask`.
+        key_padding: bool (B, Tk), True where the key is a real token (False = padding), or None.
+    Returns:
+        bool (B, 1, Tq, Tk) when key_padding is given (broadcasts over heads), else (1, 1, Tq, Tk).
+    """
+    allowed = allowed.view(1, 1, *allowed.shape)  # (1, 1, Tq, Tk)
+    if key_padding is None:
+        return allowed
+    if key_padding.dim() != 2 or key_padding.shape[1] != allowed.shape[-1]:
+        raise ValueError(
+            f"key_padding must be (B, Tk={allowed.shape[-1]}), got {tuple(key_padding.shape)}"
+        )
+    return allowed & key_padding.bool()[:, None, None, :]  # (B, 1, Tq, Tk)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Tensor | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Scaled dot-product attention, every step visible.
+
+    Args:
+        q: queries (B, H, Tq, D).
+        k: keys (B, H, Tk, D).
+        v: values (B, H, Tk, Dv).
+        allowed: bool mask broadcastable to (B, H, Tq, Tk); True = this query may read this key.
+            None means every query reads every key.
+        dropout_p: probability of dropping an attention weight (training only; the caller decides).
+        generator: RNG for the dropout draw; None uses the global RNG.
+    Returns:
+        out: (B, H, Tq, Dv) weighted sum of values.
+        weights: (B, H, Tq, Tk) attention weights after masking and softmax (before dropout);
+            every row sums to 1 and not-allowed positions are exactly 0.
+    Raises:
+        ValueError: a query row has no allowed key (its softmax would be 0/0 = NaN).
+    """
+    D = q.size(-1)
+    # 1. similarity of every query with every key, scaled so the logits' variance stays ~1
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, Tq, Tk)
+    if allowed is not None:
+        # 4. checked first: a row with nothing allowed would silently become NaN below.
+        # Under torch.compile the data-dependent check would break the graph; the masks the model
+        # builds always keep the diagonal, so it is only skipped there.
+        if not torch.compiler.is_compiling() and not bool(allowed.any(dim=-1).all()):
+            raise ValueError("attention: a query row has no allowed key; every query must see >= 1 key")
+        # 2. mask BEFORE the softmax: -inf becomes exactly 0 weight, and the row renormalises
+        scores = scores.masked_fill(~allowed, float("-inf"))  # (B, H, Tq, Tk)
+    # 3. softmax over the KEY axis (each query distributes its attention over keys). Half-precision
+    # inputs are promoted to float32 so exp() cannot overflow; float64 stays float64 for exact tests.
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    weights = weights.to(q.dtype)  # (B, H, Tq, Tk)
+    dropped = weights
+    if dropout_p > 0.0:
+        # dropout acts on weights that are already masked, so it can only zero a weight, never
+        # re-admit a masked key
+        keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= dropout_p
+        dropped = weights * keep / (1.0 - dropout_p)
+    # 5. each query's output is its weighted average of the values
+    out = dropped @ v  # (B, H, Tq, Dv)
+    return out, weights
+
+
+class KVCache:
+    """Keys and values of earlier positions, one pair per layer, for incremental decoding.
+
+    Preallocated to `max_len` positions so each decoding step writes in place instead of
+    concatenating (which would copy the whole history every token).
+    """
+
+    def __init__(self, n_layer: int, B: int, H: int, max_len: int, D: int, device, dtype) -> None:
+        self.k = [torch.empty(B, H, max_len, D, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.empty(B, H, max_len, D, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.max_len = max_len
+        self.length = 0  # positions already stored (same for every layer once a forward finishes)
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, H, Tq, D) after the cached ones; return all keys and values (B, H, Tk, D)."""
+        start, end = self.length, self.length + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked to store up to {end}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: qkv projection, split heads, attend, merge, project.
+
+    `backend="manual"` runs `attention` above (the from-scratch path, the default);
+    `backend="sdpa"` runs PyTorch's fused `scaled_dot_product_attention`, the fast path.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, backend: str) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.backend = backend
+        self.dropout = dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # one fused matmul for q, k and v
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        allowed: Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        weights_out: list[Tensor] | None = None,
+    ) -> Tensor:
+        """Args:
+            x: (B, T, C) input.
+            allowed: bool (T, Tk) causal mask for these T queries against Tk keys (Tk = T without a
+                cache, cache.length + T with one).
+            cache: optional KV cache; this layer's new keys and values are appended to it.
+            layer: index of this layer in the cache.
+            weights_out: if a list is given, the (B, H, T, Tk) attention weights are appended to it
+                (forces the manual path, which is the only one that materialises them).
+        Returns:
+            (B, T, C)
+        """
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)  # (B, H, Tk, D) with Tk = cached + T
+        p = self.dropout if self.training else 0.0
+        if self.backend == "sdpa" and weights_out is None:
+            if k.size(2) == T:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            else:
+                # is_causal aligns the triangle top-left, which is wrong once Tk > Tq (decoding
+                # against a cache), so the bottom-right-aligned mask is passed explicitly.
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p)
+        else:
+            y, w = attention(q, k, v, allowed, dropout_p=p)  # (B, H, T, D), (B, H, T, Tk)
+            if weights_out is not None:
+                weights_out.append(w)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # merge heads: (B, T, C)
+        return self.resid_dropout(self.proj(y))

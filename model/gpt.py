@@ -1,0 +1,273 @@
+"""A decoder-only GPT: token + position embeddings, pre-LayerNorm blocks, tied LM head.
+
+Shapes use the glossary in model/attention.py (B, T, C, H, D, V).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import CausalSelfAttention, KVCache, causal_mask
+
+ATTN_BACKENDS = ("manual", "sdpa")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Architecture of a GPT. Frozen so a model's shape cannot drift after it is built."""
+
+    vocab_size: int
+    block_size: int = 256  # longest context the position table covers
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = False  # biases in Linear and LayerNorm; nanoGPT's char recipes train without
+    attn_backend: str = "manual"  # "manual" (from scratch) or "sdpa" (fused, fast)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(
+                f"GPTConfig.attn_backend={self.attn_backend!r} is unknown; choose one of {ATTN_BACKENDS}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: C -> 4C -> GELU -> C."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, T, C) -> (B, T, C)"""
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(
+            config.n_embd, config.n_head, config.dropout, config.bias, config.attn_backend
+        )
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, allowed: Tensor, cache: KVCache | None = None, layer: int = 0,
+                weights_out: list[Tensor] | None = None) -> Tensor:
+        """(B, T, C) -> (B, T, C); see CausalSelfAttention.forward for the other arguments."""
+        x = x + self.attn(self.ln_1(x), allowed, cache, layer, weights_out)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """The language model. `forward` scores next tokens; `generate` samples continuations."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # weight tying: the input embedding and the output projection share one matrix
+        self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
+        # variance does not grow with depth (two residual additions per block)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Number of parameters (the tied embedding/head matrix counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden(self, idx: Tensor, cache: KVCache | None = None,
+               weights_out: list[Tensor] | None = None) -> Tensor:
+        """Final hidden states before the LM head.
+
+        Args:
+            idx: token ids (B, T).
+            cache: optional KV cache holding the keys/values of the positions before idx.
+            weights_out: optional list that receives each layer's (B, H, T, Tk) attention weights.
+        Returns:
+            (B, T, C)
+        """
+        B, T = idx.shape
+        start = cache.length if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {start + T} exceeds block_size {self.config.block_size}; "
+                "crop the context to the last block_size tokens"
+            )
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        allowed = causal_mask(T, start + T, device=idx.device)  # (T, Tk), built once per forward
+        for i, block in enumerate(self.blocks):
+            x = block(x, allowed, cache, i, weights_out)
+        if cache is not None:
+            cache.length = start + T
+        return self.ln_f(x)  # (B, T, C)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Next-token logits and, given targets, their mean cross-entropy.
+
+        Args:
+            idx: token ids (B, T), T <= block_size.
+            targets: (B, T) token ids; targets[:, t] is the token that FOLLOWS idx[:, t]. The shift
+                is done once, in data.get_batch; here position t is scored against targets[:, t].
+        Returns:
+            logits: (B, T, V).
+            loss: scalar mean cross-entropy over all B*T positions, or None without targets.
+        """
+        logits = self.lm_head(self.hidden(idx))  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    @torch.no_grad()
+    def attention_maps(self, idx: Tensor) -> list[Tensor]:
+        """Attention weights of every layer for idx (B, T): a list of n_layer tensors (B, H, T, T)."""
+        weights: list[Tensor] = []
+        self.hidden(idx, weights_out=weights)
+        return weights
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> Tensor:
+        """Sample max_new_tokens tokens after idx.
+
+        With use_cache, keys and values of earlier positions are kept per layer and each step feeds
+        one token, while the whole sequence fits in block_size. Past block_size the position table
+        slides, so every cached key would change: each step then re-prefills the last block_size
+        tokens, which is exactly the crop-and-recompute reference (use_cache=False), only no faster.
+
+        Args:
+            idx: (B, T) prompt token ids, T >= 1.
+            max_new_tokens: number of tokens to append.
+            temperature: divides the logits; 0 means greedy (argmax).
+            top_k: keep only the k most likely tokens before sampling.
+            top_p: keep the smallest set of tokens whose probability mass reaches top_p.
+            generator: RNG for sampling.
+            use_cache: use the KV cache (identical tokens, much faster).
+        Returns:
+            (B, T + max_new_tokens) token ids.
+        """
+        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache))
+        return torch.cat([idx, *(t[:, None] for t in new)], dim=1)
+
+    @torch.no_grad()
+    def stream(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> Iterator[Tensor]:
+        """Like generate, but yields each new token (B,) as soon as it is drawn."""
+        if idx.dim() != 2 or idx.size(1) < 1:
+            raise ValueError(f"generate needs a (B, T>=1) prompt, got shape {tuple(idx.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        block = self.config.block_size
+        context = idx[:, -block:]  # (B, <=block) the window the next token is predicted from
+        cache: KVCache | None = None
+        for _ in range(max_new_tokens):
+            if not use_cache:
+                logits = self.lm_head(self.hidden(context)[:, -1])  # (B, V)
+            else:
+                if cache is None or cache.length >= block:
+                    # (re-)prefill: the whole window in one forward
+                    cache = self._new_cache(idx.size(0), idx.device)
+                    h = self.hidden(context, cache)
+                else:
+                    h = self.hidden(context[:, -1:], cache)  # only the newest token
+                logits = self.lm_head(h[:, -1])  # (B, V)
+            next_id = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
+            context = torch.cat((context, next_id), dim=1)[:, -block:]
+            yield next_id[:, 0]
+
+    def _new_cache(self, B: int, device: torch.device) -> KVCache:
+        c = self.config
+        dtype = self.tok_emb.weight.dtype
+        return KVCache(c.n_layer, B, c.n_head, c.block_size, c.n_embd // c.n_head, device, dtype)
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Draw one token per row from logits (B, V); returns (B, 1) token ids."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # greedy
+    logits = logits.float() / temperature
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = torch.sort(logits, descending=True)  # (B, V)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)  # (B, V)
+    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)

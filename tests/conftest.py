@@ -1,0 +1,24 @@
+"""Shared fixtures: small corpora written to temp dirs (tests never download or read ../shared)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Tests are about exactness, not speed: one thread keeps float results reproducible and avoids
+# oversubscribing the 2-core CI machine when pytest runs subprocesses.
+torch.set_num_threads(1)
+
+PANGRAMS = (
+    "The quick brown fox jumps over the lazy dog.\n"
+    "Pack my box with five dozen liquor jugs!\n"
+    "How vexingly quick daft zebras jump; sphinx of black quartz, judge my vow?\n"
+)
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    """A 20 KB UTF-8 text file: enough for a debug model's train and val splits."""
+    path = tmp_path / "corpus.txt"
+    path.write_text(PANGRAMS * 120, encoding="utf-8")
+    return path

@@ -1,0 +1,138 @@
+"""The GPT: config validation, loss at init, learning, causality through the public API, generation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+
+def tiny(**kw) -> GPTConfig:
+    base = dict(vocab_size=11, block_size=12, n_layer=2, n_head=2, n_embd=16)
+    return GPTConfig(**{**base, **kw})
+
+
+def redraw_(model: GPT, seed: int = 0) -> GPT:
+    """Replace every parameter with draws wide enough that no path is dead (see tests/causality.py)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1.5 / math.sqrt(p.shape[-1]))
+            elif name.endswith("weight"):  # norm gains
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            else:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+@pytest.mark.parametrize(
+    "field, kwargs, match",
+    [
+        ("n_embd", dict(n_embd=30, n_head=4), "n_embd=30 must be divisible by n_head=4"),
+        ("n_layer", dict(n_layer=0), "n_layer must be a positive integer"),
+        ("vocab_size", dict(vocab_size=-3), "vocab_size must be a positive integer"),
+        ("block_size", dict(block_size=2.5), "block_size must be a positive integer"),
+        ("attn_backend", dict(attn_backend="flash"), "attn_backend='flash' is unknown"),
+        ("dropout", dict(dropout=1.0), "dropout must be in"),
+    ],
+)
+def test_invalid_model_config_raises_naming_the_field(field, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**kwargs)
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        tiny().n_layer = 3
+
+
+def test_initial_loss_is_about_ln_vocab():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32))
+    x = torch.randint(65, (8, 32))
+    _, loss = model(x, torch.randint(65, (8, 32)))
+    assert abs(loss.item() - math.log(65)) < 0.1
+
+
+def test_loss_is_cross_entropy_of_each_position_against_its_target():
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    x, y = torch.randint(11, (3, 12)), torch.randint(11, (3, 12))
+    logits, loss = model(x, y)
+    by_hand = torch.stack([-torch.log_softmax(logits[b, t], -1)[y[b, t]] for b in range(3) for t in range(12)])
+    torch.testing.assert_close(loss, by_hand.mean())
+
+
+def test_model_overfits_a_single_batch():
+    torch.manual_seed(0)
+    model = GPT(tiny(n_embd=32))
+    x, y = torch.randint(11, (4, 12)), torch.randint(11, (4, 12))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1
+
+
+def test_lm_head_is_tied_to_token_embedding_and_residual_projections_are_scaled():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=8, n_head=4, n_embd=256))
+    assert model.lm_head.weight is model.tok_emb.weight
+    std = model.blocks[0].attn.proj.weight.std().item()
+    assert std == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_input_longer_than_block_size_names_both_lengths():
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match="sequence length 13 exceeds block_size 12"):
+        model(torch.zeros(1, 13, dtype=torch.long))
+
+
+@pytest.mark.parametrize("backend", ["manual", "sdpa"])
+def test_future_tokens_do_not_change_past_logits_through_public_api(backend):
+    model = redraw_(GPT(tiny(attn_backend=backend)).double()).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(11, (4, 12), generator=g)
+    base, _ = model(x)
+    for t in range(12):
+        changed = x.clone()
+        changed[:, t:] = (x[:, t:] + 1 + torch.randint(10, x[:, t:].shape, generator=g)) % 11
+        out, _ = model(changed)
+        assert torch.equal(out[:, :t], base[:, :t]), f"logits before {t} changed"
+        assert (out[:, t] != base[:, t]).any(dim=-1).all(), f"logits at {t} did not change"
+
+
+@pytest.mark.parametrize("backend", ["manual", "sdpa"])
+def test_cached_and_uncached_generation_give_identical_tokens(backend):
+    model = redraw_(GPT(tiny(attn_backend=backend)).double()).eval()
+    prompt = torch.randint(11, (3, 4), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for use_cache in (True, False):
+        g = torch.Generator().manual_seed(3)
+        runs.append(model.generate(prompt, 30, temperature=1.0, top_k=8, generator=g, use_cache=use_cache))
+    assert runs[0].shape == (3, 34)
+    assert torch.equal(runs[0], runs[1])  # 30 new tokens: past block_size 12, the re-prefill path too
+
+
+def test_greedy_generation_is_argmax_of_the_cropped_context():
+    model = redraw_(GPT(tiny()).double()).eval()
+    prompt = torch.randint(11, (2, 20))  # longer than block_size: only the last 12 tokens are read
+    out = model.generate(prompt, 1, temperature=0)
+    logits, _ = model(prompt[:, -12:])
+    assert torch.equal(out[:, -1], logits[:, -1].argmax(-1))
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_most_likely_token():
+    model = redraw_(GPT(tiny()).double()).eval()
+    prompt = torch.randint(11, (2, 3))
+    greedy = model.generate(prompt, 8, temperature=0)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(model.generate(prompt, 8, temperature=1.0, top_k=1, generator=g), greedy)
+    assert torch.equal(model.generate(prompt, 8, temperature=1.0, top_p=1e-9, generator=g), greedy)
