@@ -1,0 +1,135 @@
+"""Text -> encoded train/val splits (cached on disk) -> random (x, y) batches.
+
+The label shift happens here and only here: y is x moved one token to the left, so y[:, t] is the
+token that follows x[:, t]. The model scores position t against y[:, t] without shifting again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .sources import load_source
+from .tokenizer import CharTokenizer
+
+TRAIN_FRACTION = 0.9  # first 90 % train, last 10 % val: nanoGPT's split, so losses compare
+TOKEN_DTYPE = np.uint16  # 65,536 symbols; a character corpus with more is refused
+_CACHE_VERSION = "1"  # bump when the on-disk format or the split rule changes
+
+
+@dataclass
+class Corpus:
+    """Encoded splits of one text source."""
+
+    train: np.ndarray  # (N_train,) token ids
+    val: np.ndarray  # (N_val,) token ids
+    tokenizer: CharTokenizer
+    name: str
+
+
+def encode_corpus(text: str, name: str) -> Corpus:
+    """Build the vocabulary from the whole text, encode it, and split 90/10."""
+    if not text:
+        raise ValueError(f"corpus {name} is empty")
+    tok = CharTokenizer.from_text(text)
+    if tok.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise ValueError(
+            f"corpus {name} has {tok.vocab_size} distinct characters; the token dtype "
+            f"{np.dtype(TOKEN_DTYPE).name} holds at most {np.iinfo(TOKEN_DTYPE).max + 1}"
+        )
+    ids = _encode_with_progress(tok, text)
+    n_train = int(len(ids) * TRAIN_FRACTION)
+    return Corpus(ids[:n_train], ids[n_train:], tok, name)
+
+
+def _encode_with_progress(tok: CharTokenizer, text: str, chunk: int = 1 << 22) -> np.ndarray:
+    """Encode in 4M-character chunks, with a progress bar when there is more than one."""
+    if len(text) <= chunk:
+        return tok.encode_array(text, TOKEN_DTYPE)
+    from tqdm import tqdm
+
+    parts = [tok.encode_array(text[i:i + chunk], TOKEN_DTYPE)
+             for i in tqdm(range(0, len(text), chunk), desc="encoding", unit="chunk", file=sys.stderr)]
+    return np.concatenate(parts)
+
+
+def load_corpus(dataset: str, cache_dir: str | os.PathLike = "data_cache", split: str | None = None,
+                text_column: str | None = None) -> Corpus:
+    """Load a corpus by the config's `dataset` value, from the encoded cache when it is current.
+
+    The cache entry is keyed by the source's content hash, so a second run skips encoding and an
+    edited file is re-encoded. Layout: cache_dir/encoded/KEY/{train.bin, val.bin, vocab.json}.
+    """
+    src = load_source(dataset, cache_dir, split, text_column)
+    entry = Path(cache_dir) / "encoded" / f"{src.key[:32]}-v{_CACHE_VERSION}"
+    vocab_path = entry / "vocab.json"
+    if vocab_path.exists():
+        try:
+            tok = CharTokenizer.from_dict(json.loads(vocab_path.read_text(encoding="utf-8")))
+            train = np.fromfile(entry / "train.bin", dtype=TOKEN_DTYPE)
+            val = np.fromfile(entry / "val.bin", dtype=TOKEN_DTYPE)
+            return Corpus(train, val, tok, src.name)
+        except (OSError, ValueError):
+            pass  # a damaged cache entry is rebuilt below
+    corpus = encode_corpus(src.text, src.name)
+    entry.mkdir(parents=True, exist_ok=True)
+    corpus.train.tofile(entry / "train.bin")
+    corpus.val.tofile(entry / "val.bin")
+    # vocab.json last and atomically: its presence marks a complete entry
+    tmp = vocab_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(corpus.tokenizer.to_dict(), ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, vocab_path)
+    return corpus
+
+
+def get_batch(
+    data: np.ndarray | Tensor,
+    batch_size: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[Tensor, Tensor]:
+    """Random windows of the corpus as inputs and next-token targets.
+
+    Args:
+        data: (N,) token ids, a numpy array or a tensor (a tensor on the GPU is gathered there).
+        batch_size: B.
+        block_size: T.
+        generator: RNG for the window offsets (on the device of the offsets: CPU for numpy data).
+        device: where x and y go.
+    Returns:
+        x: (B, T) int64, x[b] = data[i : i + T].
+        y: (B, T) int64, y[b] = data[i + 1 : i + 1 + T]  <- the one and only label shift.
+    """
+    n = len(data)
+    if n < block_size + 1:
+        raise ValueError(f"data has {n} tokens; a batch needs at least block_size + 1 = {block_size + 1}")
+    # offsets i in [0, n - T - 1]: the last valid window ends exactly at the last token
+    if isinstance(data, Tensor):
+        gen_device = generator.device if generator is not None else data.device
+        offsets = torch.randint(n - block_size, (batch_size,), generator=generator, device=gen_device)
+        idx = offsets.to(data.device)[:, None] + torch.arange(block_size + 1, device=data.device)
+        chunk = data[idx].long()  # (B, T + 1)
+    else:
+        offsets = torch.randint(n - block_size, (batch_size,), generator=generator)
+        idx = offsets.numpy()[:, None] + np.arange(block_size + 1)
+        chunk = torch.from_numpy(data[idx].astype(np.int64))  # (B, T + 1)
+    chunk = chunk.to(device, non_blocking=True)
+    return chunk[:, :-1], chunk[:, 1:]  # x (B, T), y (B, T)
+
+
+def eval_windows(data: np.ndarray | Tensor, block_size: int) -> list[tuple[int, int]]:
+    """Non-overlapping (start, length) windows whose targets cover data[1:] exactly once, in order.
+
+    Window w has inputs data[start : start + length] and targets data[start + 1 : start + 1 + length];
+    the last window is shorter when (N - 1) is not a multiple of block_size.
+    """
+    n_targets = len(data) - 1
+    return [(s, min(block_size, n_targets - s)) for s in range(0, n_targets, block_size)]
