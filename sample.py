@@ -1,0 +1,90 @@
+"""Sample text from a trained checkpoint.
+
+    python sample.py --out_dir=out/shakespeare_char --prompt="ROMEO:" --max_new_tokens=500
+
+Prints the prompt followed by its continuation; characters stream out as they are generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Continue a prompt with a trained character-level GPT.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out_dir", default="out/shakespeare_char", help="run directory holding ckpt.pt")
+    p.add_argument("--ckpt", default=None, help="checkpoint file (default: OUT_DIR/ckpt.pt)")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file instead")
+    p.add_argument("--max_new_tokens", type=int, default=500, help="characters to generate per sample")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; <1 sharper, >1 more random")
+    p.add_argument("--top_k", type=int, default=200, help="sample only among the k likeliest tokens (0 = all)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--num_samples", type=int, default=1, help="independent samples to draw")
+    p.add_argument("--seed", type=int, default=1337, help="sampling seed (same seed, same text)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token")
+    return p
+
+
+def sample(args: argparse.Namespace, out=sys.stdout) -> list[str]:
+    """Generate args.num_samples continuations, streaming them to `out`; returns the full texts."""
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
+    device = resolve_device(args.device)
+    ckpt = load_checkpoint(args.ckpt or Path(args.out_dir) / CKPT_NAME, map_location=device)
+    model, tok = model_from_checkpoint(ckpt, device, dropout=0.0)
+    model.eval()
+    prompt = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else args.prompt
+    if not prompt:
+        raise ValueError("the prompt is empty; give at least one character")
+    try:
+        ids = tok.encode(prompt)
+    except ValueError as e:
+        raise ValueError(f"prompt: {e}") from None
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    texts, n_tokens, t0 = [], 0, time.perf_counter()
+    for i in range(args.num_samples):
+        out.write(prompt)
+        pieces = []
+        for token in model.stream(idx, args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k or None, top_p=args.top_p, generator=gen,
+                                  use_cache=not args.no_cache):
+            ch = tok.decode([token])
+            pieces.append(ch)
+            out.write(ch)
+            out.flush()
+        n_tokens += len(pieces)
+        texts.append(prompt + "".join(pieces))
+        out.write("\n" + ("-" * 40 + "\n" if i + 1 < args.num_samples else ""))
+    dt = time.perf_counter() - t0
+    print(f"[{n_tokens} tokens in {dt:.2f} s, {n_tokens / max(dt, 1e-9):,.0f} tokens/s on {device}]",
+          file=sys.stderr)
+    return texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        sample(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

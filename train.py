@@ -1,0 +1,219 @@
+"""Train a character-level GPT.
+
+    python train.py [CONFIG.toml] [--field=value ...]     (python train.py --help lists the fields)
+
+One function, `train`, reads top to bottom: set-up, then per step lr -> eval/checkpoint ->
+forward/backward/update -> log, then the exact validation loss and summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data import get_batch, load_corpus
+from model import GPT
+from training import (
+    CKPT_NAME,
+    TrainConfig,
+    autocast_context,
+    configure_optimizer,
+    estimate_loss,
+    exact_loss,
+    help_text,
+    load_checkpoint,
+    lr_at,
+    model_from_checkpoint,
+    parse_args,
+    resolve_device,
+    resolve_dtype,
+    run_facts,
+    save_checkpoint,
+)
+from training.monitor import RunLog
+
+SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+
+
+def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
+    """Run one training job as cfg describes; returns the summary also written to summary.json."""
+    t_start = time.perf_counter()
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    autocast = autocast_context(device, dtype)
+    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls where autocast leaves float32
+        torch.backends.cudnn.allow_tf32 = True
+    out_dir = Path(cfg.out_dir)
+    ckpt_path = out_dir / CKPT_NAME
+
+    # --- data: encoded once, cached; both splits live on the training device as int64 ---------
+    corpus = load_corpus(cfg.dataset, cfg.cache_dir, cfg.split or None, cfg.text_column or None)
+    for name, split in (("train", corpus.train), ("val", corpus.val)):
+        if len(split) < cfg.block_size + 1:
+            raise ValueError(f"the {name} split of {corpus.name} has {len(split)} tokens; block_size="
+                             f"{cfg.block_size} needs at least {cfg.block_size + 1}")
+    train_data = torch.from_numpy(corpus.train.astype(np.int64)).to(device)
+    val_data = torch.from_numpy(corpus.val.astype(np.int64)).to(device)
+    vocab_size = corpus.tokenizer.vocab_size
+
+    # --- model, optimizer, and (on --resume) the state to continue from ----------------------
+    torch.manual_seed(cfg.seed)
+    batch_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    ckpt = load_checkpoint(ckpt_path, map_location=device) if cfg.resume else None
+    if ckpt is not None:
+        _check_resumable(ckpt, cfg, vocab_size, corpus.tokenizer.to_dict())
+        model, _ = model_from_checkpoint(ckpt, device, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
+    else:
+        model = GPT(cfg.model_config(vocab_size)).to(device)
+    optimizer = configure_optimizer(model, cfg, device.type)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    start_step, best_val = 0, math.inf
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start_step, best_val = ckpt["step"], ckpt["best_val_loss"]
+        torch.set_rng_state(ckpt["rng"]["torch"].cpu())
+        batch_gen.set_state(ckpt["rng"]["batch"].cpu())
+        if device.type == "cuda" and "cuda" in ckpt["rng"]:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), device)
+    fwd = torch.compile(model) if use_compile else model  # checkpoints always come from `model`
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    facts = {"config": cfg.to_dict(), "run": run_facts(argv or []), "device": str(device),
+             "dtype": str(dtype).removeprefix("torch."), "compile": use_compile,
+             "params": model.num_params(), "vocab_size": vocab_size, "corpus": corpus.name}
+    (out_dir / "config.json").write_text(json.dumps(facts, indent=2))
+    log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose)
+    log.line(f"config: {json.dumps(cfg.to_dict())}")
+    log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
+             f"{vocab_size} symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']}"
+             f"{' compiled' if use_compile else ''}" + (f" | resumed at step {start_step}" if ckpt else ""))
+
+    # --- the loop ------------------------------------------------------------------------------
+    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+    splits = {"train": train_data, "val": val_data}
+    train_seconds, steps_done, last_val = 0.0, 0, math.nan
+    t_mark = time.perf_counter()
+    for step in range(start_step, cfg.max_iters + 1):
+        last_step = step == cfg.max_iters
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        resumed_here = ckpt is not None and step == start_step  # already evaluated before saving
+        if (step % cfg.eval_interval == 0 or last_step) and not resumed_here:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            train_seconds += time.perf_counter() - t_mark
+            losses = estimate_loss(fwd, splits, cfg.batch_size, cfg.block_size, cfg.eval_iters,
+                                   cfg.seed + 1, device, autocast)
+            last_val = losses["val"]
+            log.line(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            log.scalars(step, {"train/loss_estimate": losses["train"], "val/loss": losses["val"]})
+            if losses["val"] < best_val or cfg.always_save_checkpoint:
+                best_val = min(best_val, losses["val"])
+                if step > 0:
+                    save_checkpoint(ckpt_path, {
+                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "model_config": model.config.to_dict(), "config": cfg.to_dict(),
+                        "vocab": corpus.tokenizer.to_dict(), "step": step, "best_val_loss": best_val,
+                        "rng": _rng_state(batch_gen, device),
+                    })
+            t_mark = time.perf_counter()
+        if last_step:
+            break
+
+        for _ in range(cfg.gradient_accumulation_steps):
+            x, y = get_batch(train_data, cfg.batch_size, cfg.block_size, batch_gen, device)
+            with autocast:
+                _, loss = fwd(x, y)
+            scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
+        if cfg.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        steps_done += 1
+        log.advance()
+
+        if step % cfg.log_interval == 0 or step == cfg.max_iters - 1:
+            loss_f = loss.item()  # the only sync of a training step, and only on log steps
+            if not math.isfinite(loss_f):
+                raise FloatingPointError(f"loss is {loss_f} at step {step}; stopping (the last "
+                                         f"checkpoint in {out_dir} is untouched)")
+            elapsed = train_seconds + time.perf_counter() - t_mark
+            tok_s = steps_done * tokens_per_step / max(elapsed, 1e-9)
+            ms = 1000 * elapsed / steps_done
+            log.progress(step, loss_f, lr, ms, tok_s)
+            scalars = {"train/loss": loss_f, "lr": lr, "tokens_per_second": tok_s}
+            if cfg.grad_clip > 0:
+                scalars["grad_norm"] = grad_norm.item()
+            log.scalars(step, scalars)
+
+    # --- the exact val loss over the whole split, and the summary -----------------------------
+    final_val = exact_loss(model, val_data, cfg.block_size, cfg.batch_size, device, autocast) \
+        if cfg.exact_val else None
+    if final_val is not None:
+        log.line(f"exact val loss over all {len(val_data) - 1:,} val targets: {final_val:.4f}")
+        log.scalars(cfg.max_iters, {"val/loss_exact": final_val})
+    summary = {
+        "best_val_loss": best_val,
+        "final_val_loss": final_val,
+        "last_val_estimate": last_val,
+        "steps": cfg.max_iters,
+        "steps_this_run": steps_done,
+        "train_seconds": train_seconds,
+        "tokens_per_second": steps_done * tokens_per_step / train_seconds if train_seconds > 0 else None,
+        "wall_seconds": time.perf_counter() - t_start,
+        "params": model.num_params(),
+        "device": str(device),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.line(f"summary: {json.dumps(summary)}")
+    log.close()
+    return summary
+
+
+def _rng_state(batch_gen: torch.Generator, device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "batch": batch_gen.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _check_resumable(ckpt: dict, cfg: TrainConfig, vocab_size: int, vocab: dict) -> None:
+    """Refuse a checkpoint whose architecture or vocabulary differs from this run's."""
+    want = cfg.model_config(vocab_size).to_dict()
+    diff = [f"{k}: checkpoint {ckpt['model_config'].get(k)!r} vs config {want[k]!r}"
+            for k in SHAPE_FIELDS if ckpt["model_config"].get(k) != want[k]]
+    if diff:
+        raise ValueError("cannot resume: the checkpoint's architecture differs: " + "; ".join(diff))
+    if ckpt["vocab"] != vocab:
+        raise ValueError("cannot resume: the checkpoint was trained on a different vocabulary than "
+                         f"{cfg.dataset!r} gives")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    try:
+        cfg, _ = parse_args(argv)
+        train(cfg, argv)
+    except (ValueError, FloatingPointError, ConnectionError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Loss estimates during training and the exact loss over a whole split at the end."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from data import eval_windows, get_batch
+
+
+@torch.no_grad()
+def estimate_loss(
+    model: nn.Module,
+    splits: dict[str, np.ndarray | Tensor],
+    batch_size: int,
+    block_size: int,
+    eval_iters: int,
+    seed: int,
+    device: torch.device | str,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> dict[str, float]:
+    """Mean loss over eval_iters random batches of each split.
+
+    The batch generator is re-seeded on every call so successive estimates see the same windows:
+    their differences then measure the model, not the draw. It is separate from the training
+    generator, so evaluating never changes the batches training sees.
+    """
+    was_training = model.training
+    model.eval()
+    out = {}
+    for name, data in splits.items():
+        gen = torch.Generator(device=data.device if isinstance(data, Tensor) else "cpu").manual_seed(seed)
+        losses = torch.zeros(eval_iters, device=device)
+        for k in range(eval_iters):
+            x, y = get_batch(data, batch_size, block_size, gen, device)
+            with autocast or contextlib.nullcontext():
+                _, loss = model(x, y)
+            losses[k] = loss.float()
+        out[name] = losses.mean().item()  # one sync per split
+    model.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def exact_loss(
+    model: nn.Module,
+    data: np.ndarray | Tensor,
+    block_size: int,
+    batch_size: int,
+    device: torch.device | str,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> float:
+    """Mean cross-entropy over every target of a split exactly once, in order.
+
+    The split is cut into consecutive windows of block_size (eval_windows); each window's targets
+    are the next tokens, so every token after the first is predicted once, from the context that
+    precedes it within its window. Losses are summed in float64 and divided by the target count.
+    """
+    was_training = model.training
+    model.eval()
+    windows = eval_windows(data, block_size)
+    data_t = data if isinstance(data, Tensor) else torch.from_numpy(data.astype(np.int64))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    full = [s for s, n in windows if n == block_size]
+    offsets = torch.arange(block_size + 1)
+    for i in range(0, len(full), batch_size):
+        starts = torch.tensor(full[i:i + batch_size])
+        chunk = data_t[(starts[:, None] + offsets).to(data_t.device)].long().to(device)  # (b, T + 1)
+        total += _sum_loss(model, chunk, autocast)
+    for s, n in windows:
+        if n < block_size:  # the one short window at the end
+            chunk = data_t[s:s + n + 1].long().to(device)[None]  # (1, n + 1)
+            total += _sum_loss(model, chunk, autocast)
+    model.train(was_training)
+    return (total / (len(data) - 1)).item()
+
+
+def _sum_loss(model: nn.Module, chunk: Tensor, autocast) -> Tensor:
+    x, y = chunk[:, :-1], chunk[:, 1:]  # targets are the next tokens
+    with autocast or contextlib.nullcontext():
+        logits, _ = model(x)
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"
+    ).double()
