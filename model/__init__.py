@@ -1,15 +1,10 @@
-"""The network: from-scratch causal attention and the GPT built on it."""
+"""The network: from-scratch causal attention (model.attention) and the GPT built on it (model.gpt).
 
-from .attention import CausalSelfAttention, KVCache, attention, causal_mask, combine_masks
+`from model import GPT, GPTConfig` is the public API. The attention pieces are imported from their
+module, `from model.attention import attention, causal_mask`, so that `model.attention` always names
+the module (re-exporting the function here would shadow it).
+"""
+
 from .gpt import GPT, GPTConfig, sample_next
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "CausalSelfAttention",
-    "KVCache",
-    "attention",
-    "causal_mask",
-    "combine_masks",
-    "sample_next",
-]
+__all__ = ["GPT", "GPTConfig", "sample_next"]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from model import CausalSelfAttention, attention, causal_mask, combine_masks
+from model.attention import CausalSelfAttention, attention, causal_mask, combine_masks
 
 
 def t(rows) -> torch.Tensor:
