@@ -22,3 +22,8 @@ def corpus_file(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text(PANGRAMS * 120, encoding="utf-8")
     return path
+
+
+def pytest_addoption(parser):
+    parser.addoption("--ckpt", default=None,
+                     help="run tests/test_leakage.py's checkpoint checks on this trained checkpoint")

@@ -1,4 +1,4 @@
-"""The GPT: config validation, loss at init, learning, causality through the public API, generation."""
+"""The GPT: config validation, init, loss, learning, generation. (Causality: tests/test_leakage.py.)"""
 
 from __future__ import annotations
 
@@ -7,26 +7,13 @@ import math
 import pytest
 import torch
 
+from causality import redraw_parameters_
 from model import GPT, GPTConfig
 
 
 def tiny(**kw) -> GPTConfig:
     base = dict(vocab_size=11, block_size=12, n_layer=2, n_head=2, n_embd=16)
     return GPTConfig(**{**base, **kw})
-
-
-def redraw_(model: GPT, seed: int = 0) -> GPT:
-    """Replace every parameter with draws wide enough that no path is dead (see tests/causality.py)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1.5 / math.sqrt(p.shape[-1]))
-            elif name.endswith("weight"):  # norm gains
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return model
 
 
 @pytest.mark.parametrize(
@@ -95,34 +82,8 @@ def test_input_longer_than_block_size_names_both_lengths():
         model(torch.zeros(1, 13, dtype=torch.long))
 
 
-@pytest.mark.parametrize("backend", ["manual", "sdpa"])
-def test_future_tokens_do_not_change_past_logits_through_public_api(backend):
-    model = redraw_(GPT(tiny(attn_backend=backend)).double()).eval()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(11, (4, 12), generator=g)
-    base, _ = model(x)
-    for t in range(12):
-        changed = x.clone()
-        changed[:, t:] = (x[:, t:] + 1 + torch.randint(10, x[:, t:].shape, generator=g)) % 11
-        out, _ = model(changed)
-        assert torch.equal(out[:, :t], base[:, :t]), f"logits before {t} changed"
-        assert (out[:, t] != base[:, t]).any(dim=-1).all(), f"logits at {t} did not change"
-
-
-@pytest.mark.parametrize("backend", ["manual", "sdpa"])
-def test_cached_and_uncached_generation_give_identical_tokens(backend):
-    model = redraw_(GPT(tiny(attn_backend=backend)).double()).eval()
-    prompt = torch.randint(11, (3, 4), generator=torch.Generator().manual_seed(2))
-    runs = []
-    for use_cache in (True, False):
-        g = torch.Generator().manual_seed(3)
-        runs.append(model.generate(prompt, 30, temperature=1.0, top_k=8, generator=g, use_cache=use_cache))
-    assert runs[0].shape == (3, 34)
-    assert torch.equal(runs[0], runs[1])  # 30 new tokens: past block_size 12, the re-prefill path too
-
-
 def test_greedy_generation_is_argmax_of_the_cropped_context():
-    model = redraw_(GPT(tiny()).double()).eval()
+    model = redraw_parameters_(GPT(tiny()).double()).eval()
     prompt = torch.randint(11, (2, 20))  # longer than block_size: only the last 12 tokens are read
     out = model.generate(prompt, 1, temperature=0)
     logits, _ = model(prompt[:, -12:])
@@ -130,7 +91,7 @@ def test_greedy_generation_is_argmax_of_the_cropped_context():
 
 
 def test_top_k_one_is_greedy_and_top_p_keeps_the_most_likely_token():
-    model = redraw_(GPT(tiny()).double()).eval()
+    model = redraw_parameters_(GPT(tiny()).double()).eval()
     prompt = torch.randint(11, (2, 3))
     greedy = model.generate(prompt, 8, temperature=0)
     g = torch.Generator().manual_seed(0)

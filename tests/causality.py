@@ -1,0 +1,365 @@
+"""The causality and label-shift checks, in one place, for the tests, the mutants and real checkpoints.
+
+Every check returns a `Check`: ok or not, and the numbers that decided it, so a failure says how
+far off it was. Each check carries its own positive control: it passes only if the comparison that
+must stay quiet stays quiet AND the comparison that must fire does fire (a check that could never
+fire proves nothing).
+
+The checks look the pieces under test up at call time (`model.attention.attention`,
+`data.get_batch`, ...), so a test can substitute a broken piece and watch them fail: see
+tests/mutants.py.
+
+Run on a trained model:  python tests/causality.py --ckpt out/shakespeare_char/ckpt.pt
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import data  # noqa: E402
+import model.attention as attn_lib  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+
+@dataclass
+class Check:
+    """Outcome of one check. `quiet` must be 0 (what must not change); `fired` must be > 0."""
+
+    name: str
+    ok: bool
+    quiet: float  # largest change where nothing may change
+    fired: float  # smallest change where something must change
+    detail: str = ""
+
+    def __str__(self) -> str:
+        status = "ok  " if self.ok else "FAIL"
+        return f"{status} {self.name:<32} max change where none allowed {self.quiet:.3g} | " \
+               f"min change where one is required {self.fired:.3g} {self.detail}"
+
+
+def _max(x: Tensor) -> float:
+    return x.abs().max().item() if x.numel() else 0.0
+
+
+# --- models with no dead paths -------------------------------------------------------------------
+
+def redraw_parameters_(model: torch.nn.Module, seed: int = 0, gain: float = 1.5) -> torch.nn.Module:
+    """Re-draw every parameter so that every path carries signal and no softmax is flat or saturated.
+
+    GPT-2's init (std 0.02, scaled residual projections) gives near-uniform attention: a leak through
+    a near-uniform softmax can change logits by less than rounding, and a test would miss it. Here
+    matrices get std gain/sqrt(fan_in) (activations stay O(1), scores are O(1) so softmax is neither
+    flat nor one-hot), norm gains 1 +- 0.5, biases +- 0.5. Tied weights are drawn once.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * gain / math.sqrt(p.shape[-1]))
+            elif name.endswith("weight"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            else:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def leak_test_model(backend: str = "manual", dropout: float = 0.0, seed: int = 0, **kw) -> GPT:
+    """A float64 GPT with two layers (a leak can take two hops) and re-drawn weights, in eval mode."""
+    cfg = dict(vocab_size=13, block_size=10, n_layer=2, n_head=2, n_embd=16, bias=True,
+               attn_backend=backend, dropout=dropout)
+    torch.manual_seed(seed)
+    return redraw_parameters_(GPT(GPTConfig(**{**cfg, **kw})).double(), seed).eval()
+
+
+def random_tokens(B: int, T: int, V: int, seed: int = 1) -> Tensor:
+    """(B, T) token ids; rows differ from each other."""
+    return torch.randint(V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _change_from(x: Tensor, t: int, V: int, seed: int) -> Tensor:
+    """x with every token at positions >= t replaced by a different token."""
+    y = x.clone()
+    shift = 1 + torch.randint(V - 1, x[:, t:].shape, generator=torch.Generator().manual_seed(seed))
+    y[:, t:] = (x[:, t:] + shift) % V
+    return y
+
+
+# --- attention level -----------------------------------------------------------------------------
+
+def check_attention_future_perturbation(T: int = 8, seed: int = 0, scale: float = 100.0) -> Check:
+    """Perturb q, k and v at positions >= t by x100: outputs before t bit-identical, at >= t changed."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, T, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    allowed = attn_lib.causal_mask(T, T)
+    base, _ = attn_lib.attention(q, k, v, allowed)
+    quiet, fired = 0.0, math.inf
+    for t in range(T):
+        qp, kp, vp = q.clone(), k.clone(), v.clone()
+        for z in (qp, kp, vp):
+            z[:, :, t:] *= scale
+        out, _ = attn_lib.attention(qp, kp, vp, allowed)
+        past_same = torch.equal(out[:, :, :t], base[:, :, :t])
+        quiet = max(quiet, _max(out[:, :, :t] - base[:, :, :t]) if not past_same else 0.0)
+        fired = min(fired, (out[:, :, t:] - base[:, :, t:]).abs().amax(dim=-1).min().item())
+    return Check("attention: future perturbation", quiet == 0.0 and fired > 0, quiet, fired)
+
+
+def check_attention_weights(T: int = 7, seed: int = 0) -> Check:
+    """Weights: rows sum to 1, every future weight exactly 0, every allowed weight (diagonal too) > 0."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, T, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    _, w = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)  # the reference, not the code under test
+    quiet = max(_max(w[..., future]), _max(w.sum(-1) - 1))
+    fired = w[..., ~future].min().item()
+    return Check("attention: weights", quiet < 1e-12 and _max(w[..., future]) == 0 and fired > 0, quiet, fired)
+
+
+def check_attention_gradients(T: int = 6, seed: int = 0) -> Check:
+    """d out[t] / d (k, v)[s] is exactly 0 for s > t, non-zero for s = t and for some s < t.
+
+    This catches a mask that hides the diagonal or masks too much, which perturbing the future
+    alone cannot see.
+    """
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    out, _ = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
+    quiet, fired = 0.0, math.inf
+    for t in range(T):
+        gk, gv = torch.autograd.grad(out[:, :, t].sum(), (k, v), retain_graph=True)
+        grad = gk.abs().sum((0, 1, 3)) + gv.abs().sum((0, 1, 3))  # (T,) influence of each key position
+        quiet = max(quiet, _max(grad[t + 1:]))
+        fired = min(fired, grad[t].item(), grad[:t].max().item() if t > 0 else math.inf)
+    return Check("attention: gradients", quiet == 0.0 and fired > 0, quiet, fired)
+
+
+def check_attention_half_precision(T: int = 6, seed: int = 0) -> Check:
+    """float16 and bfloat16 inputs: finite outputs close to float64, future weights exactly 0."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    allowed = attn_lib.causal_mask(T, T)
+    ref, _ = attn_lib.attention(q, k, v, allowed)
+    quiet, fired = 0.0, math.inf
+    for dtype in (torch.float16, torch.bfloat16):
+        out, w = attn_lib.attention(q.to(dtype), k.to(dtype), v.to(dtype), allowed)
+        err = (out.double() - ref).abs()
+        quiet = max(quiet, _max(w[..., ~allowed].double()), 0.0 if torch.isfinite(err).all() else math.inf)
+        fired = min(fired, w[..., allowed].min().item())
+        if not err.max().item() < 0.1:
+            return Check("attention: half precision", False, err.max().item(), fired, f"({dtype} error)")
+    return Check("attention: half precision", quiet == 0.0 and fired > 0, quiet, fired)
+
+
+# --- model level ---------------------------------------------------------------------------------
+
+def check_future_perturbation(model: GPT, x: Tensor, seed: int = 2) -> Check:
+    """For every cut t: new tokens at >= t leave logits before t bit-identical and change logits at t."""
+    V = model.config.vocab_size
+    with torch.no_grad():
+        base, _ = model(x)
+        quiet, fired = 0.0, math.inf
+        for t in range(x.size(1)):
+            out, _ = model(_change_from(x, t, V, seed + t))
+            if not torch.equal(out[:, :t], base[:, :t]):
+                quiet = max(quiet, _max(out[:, :t] - base[:, :t]))
+            fired = min(fired, (out[:, t] - base[:, t]).abs().amax(-1).min().item())
+    return Check(f"model: future perturbation ({model.config.attn_backend})", quiet == 0 and fired > 0,
+                 quiet, fired)
+
+
+def check_gradients(model: GPT, x: Tensor) -> Check:
+    """d logits[:, t] / d input-embedding[:, s]: exactly 0 for s > t, non-zero for s = t and some s < t."""
+    captured: list[Tensor] = []
+
+    def capture(_module, _inputs, output):
+        emb = output.detach().requires_grad_(True)
+        captured.append(emb)
+        return emb
+
+    handle = model.drop.register_forward_hook(capture)  # the embedding sum, as the blocks see it
+    try:
+        logits, _ = model(x)
+    finally:
+        handle.remove()
+    emb = captured[0]
+    quiet, fired = 0.0, math.inf
+    for t in range(x.size(1)):
+        (grad,) = torch.autograd.grad(logits[:, t].sum(), emb, retain_graph=True)
+        per_pos = grad.abs().sum(dim=(0, 2))  # (T,)
+        quiet = max(quiet, _max(per_pos[t + 1:]))
+        fired = min(fired, per_pos[t].item(), per_pos[:t].max().item() if t > 0 else math.inf)
+    return Check(f"model: gradients ({model.config.attn_backend})", quiet == 0 and fired > 0, quiet, fired)
+
+
+def check_prefix_parity(model: GPT, x: Tensor, tol: float = 1e-9) -> Check:
+    """model(x[:, :t]) equals model(x)[:, :t] for every t (in float64, to rounding)."""
+    with torch.no_grad():
+        full, _ = model(x)
+        quiet = max(_max(model(x[:, :t])[0] - full[:, :t]) for t in range(1, x.size(1) + 1))
+        # positive control: the last position really reads its past (another first token changes it),
+        # so agreeing with the full run is not trivially true
+        other_first = torch.cat([_change_from(x, 0, model.config.vocab_size, 9)[:, :1], x[:, 1:]], dim=1)
+        fired = _max(model(other_first)[0][:, -1] - full[:, -1])
+    return Check(f"model: prefix parity ({model.config.attn_backend})", quiet <= tol and fired > 0, quiet, fired)
+
+
+def check_dropout_causality(backend: str = "manual", seed: int = 3) -> Check:
+    """Train mode, dropout 0.3, same RNG state: future perturbation changes nothing before t."""
+    model = leak_test_model(backend, dropout=0.3).train()
+    x = random_tokens(3, 8, model.config.vocab_size, seed)
+    quiet, fired = 0.0, math.inf
+    with torch.no_grad():
+        for t in range(x.size(1)):
+            torch.manual_seed(seed)
+            base, _ = model(x)
+            torch.manual_seed(seed)
+            out, _ = model(_change_from(x, t, model.config.vocab_size, seed + t))
+            if not torch.equal(out[:, :t], base[:, :t]):
+                quiet = max(quiet, _max(out[:, :t] - base[:, :t]))
+            fired = min(fired, _max(out[:, t] - base[:, t]))
+        torch.manual_seed(seed + 100)  # and dropout is really on: another draw changes the output
+        other, _ = model(x)
+    fired = min(fired, _max(other - base))
+    return Check(f"model: dropout causality ({backend})", quiet == 0 and fired > 0, quiet, fired)
+
+
+def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 24, seed: int = 4) -> Check:
+    """Cached and uncached generation draw identical tokens from the same generator."""
+    runs = [model.generate(prompt, new_tokens, temperature=1.0, generator=torch.Generator().manual_seed(seed),
+                           use_cache=use_cache) for use_cache in (True, False)]
+    differ = (runs[0] != runs[1]).sum().item()
+    # positive control: a different seed draws different tokens, so equality above is informative
+    other = model.generate(prompt, new_tokens, temperature=1.0, generator=torch.Generator().manual_seed(seed + 1))
+    fired = (other != runs[0]).sum().item()
+    return Check(f"model: KV-cache parity ({model.config.attn_backend})", differ == 0 and fired > 0,
+                 float(differ), float(fired))
+
+
+# --- label shift ---------------------------------------------------------------------------------
+
+def check_batch_shift(batch_size: int = 64, block_size: int = 8, n: int = 40) -> Check:
+    """On data 0, 1, 2, ... (as a numpy array, and as the tensor train.py batches from):
+    y[:, :-1] == x[:, 1:], y[:, -1] is the token after the window, y == x + 1, and the offsets
+    reach the last valid window without running past the end."""
+    wrong, reach, window_ok, top = 0, True, True, 0
+    for corpus in (np.arange(n, dtype=np.uint16), torch.arange(n)):
+        x, y = data.get_batch(corpus, batch_size * 20, block_size, torch.Generator().manual_seed(0))
+        starts = x[:, 0]
+        wrong += ((y[:, :-1] != x[:, 1:]).sum() + (y[:, -1] != starts + block_size).sum() + (y != x + 1).sum()).item()
+        window_ok &= bool((x == starts[:, None] + torch.arange(block_size)).all())
+        # the last valid offset is n - T - 1: its target window ends exactly at the last token
+        reach &= starts.max().item() == n - block_size - 1 and starts.min().item() == 0
+        top = max(top, y.max().item())
+    return Check("data: targets are next tokens", wrong == 0 and window_ok and reach,
+                 float(wrong), float(top == n - 1), f"(offsets reach the last window: {reach})")
+
+
+def find_offsets(corpus: np.ndarray, x: Tensor) -> list[int]:
+    """Where each row of x starts in the corpus (each window must occur exactly once)."""
+    T = x.size(1)
+    windows = np.lib.stride_tricks.sliding_window_view(corpus.astype(np.int64), T)  # (N - T + 1, T)
+    offsets = []
+    for row in x.numpy():
+        hits = np.flatnonzero((windows == row).all(axis=1))
+        if len(hits) != 1:
+            raise ValueError(f"a batch row occurs {len(hits)} times in the corpus; use a corpus with unique windows")
+        offsets.append(int(hits[0]))
+    return offsets
+
+
+def check_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray, seed: int = 5) -> Check:
+    """The loss model(x, y) gives for a get_batch batch equals mean CE(logits[:, t], corpus[i + t + 1]),
+    computed by hand from the corpus itself (not from y), where i is found by locating x in the corpus."""
+    T = model.config.block_size
+    x, y = data.get_batch(corpus, 4, T, torch.Generator().manual_seed(seed))
+    offsets = find_offsets(corpus, x)
+    with torch.no_grad():
+        logits, loss = model(x, y)
+
+        def by_hand(shift: int) -> float:
+            return torch.stack([-torch.log_softmax(logits[b, t], -1)[int(corpus[i + t + shift])]
+                                for b, i in enumerate(offsets) for t in range(T)]).mean().item()
+
+    quiet = abs(loss.item() - by_hand(1))
+    # positive control: the same computation against the unshifted tokens gives another number
+    fired = abs(loss.item() - by_hand(0))
+    return Check("loss: CE against the next token", quiet < 1e-9 and fired > 1e-6, quiet, fired)
+
+
+# --- everything at once --------------------------------------------------------------------------
+
+def run_check(name: str, fn: Callable[..., Check], *args) -> Check:
+    """Run a check; an exception (e.g. the ValueError for a query row with no allowed key, or a
+    float16 overflow) is a failed check that reports the error, not a crash of the whole run."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - every failure mode of the code under test counts
+        return Check(name, False, math.nan, math.nan, f"raised {type(e).__name__}: {e}")
+
+
+def model_checks(model: GPT, x: Tensor) -> list[Check]:
+    """The model-level checks that run on any model (random or trained), in float64."""
+    tag = model.config.attn_backend
+    return [run_check(f"model: future perturbation ({tag})", check_future_perturbation, model, x),
+            run_check(f"model: gradients ({tag})", check_gradients, model, x),
+            run_check(f"model: prefix parity ({tag})", check_prefix_parity, model, x),
+            run_check(f"model: KV-cache parity ({tag})", check_cache_parity, model, x[:, :3])]
+
+
+def all_checks() -> list[Check]:
+    """Every check, on both backends, on re-drawn random models. The mutation meta-tests run this."""
+    checks = [run_check("attention: future perturbation", check_attention_future_perturbation),
+              run_check("attention: weights", check_attention_weights),
+              run_check("attention: gradients", check_attention_gradients),
+              run_check("attention: half precision", check_attention_half_precision),
+              run_check("data: targets are next tokens", check_batch_shift)]
+    for backend in ("manual", "sdpa"):
+        m = leak_test_model(backend)
+        checks += model_checks(m, random_tokens(4, m.config.block_size, m.config.vocab_size))
+        checks.append(run_check(f"model: dropout causality ({backend})", check_dropout_causality, backend))
+    m = leak_test_model("manual")
+    corpus = np.random.default_rng(0).integers(0, m.config.vocab_size, 500).astype(np.uint16)
+    checks.append(run_check("loss: CE against the next token", check_loss_is_next_token_cross_entropy, m, corpus))
+    return checks
+
+
+def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
+    """The model-level checks on a trained checkpoint's real weights (float64, eval mode, both backends)."""
+    from training import load_checkpoint, model_from_checkpoint
+
+    ckpt = load_checkpoint(path)
+    checks = []
+    for backend in ("manual", "sdpa"):
+        m, _ = model_from_checkpoint(ckpt, "cpu", attn_backend=backend, dropout=0.0)
+        m = m.double().eval()
+        length = min(T or 16, m.config.block_size)
+        checks += model_checks(m, random_tokens(3, length, m.config.vocab_size))
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Run the causality checks and print each one's numbers.")
+    p.add_argument("--ckpt", help="a checkpoint to check (default: re-drawn random models, every check)")
+    p.add_argument("--T", type=int, default=16, help="sequence length for checkpoint checks")
+    args = p.parse_args(argv)
+    checks = checkpoint_checks(args.ckpt, args.T) if args.ckpt else all_checks()
+    for c in checks:
+        print(c)
+    return 0 if all(c.ok for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
