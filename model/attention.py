@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["attention", "causal_mask", "combine_masks", "CausalSelfAttention", "KVCache"]
+__all__ = ["attention", "causal_mask", "combine_masks", "CausalSelfAttention", "KVCache", "dropout_layer"]
+
+
+def dropout_layer(p: float) -> nn.Module:
+    """nn.Dropout(p), or nn.Identity when p == 0: the same function, minus a module call per use
+    (a one-token decoding step is mostly such per-call overhead)."""
+    return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
 def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> Tensor:
@@ -153,12 +159,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # one fused matmul for q, k and v
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.resid_dropout = nn.Dropout(dropout)
+        self.resid_dropout = dropout_layer(dropout)
 
     def forward(
         self,
         x: Tensor,
-        allowed: Tensor,
+        allowed: Tensor | None,
         cache: KVCache | None = None,
         layer: int = 0,
         weights_out: list[Tensor] | None = None,
@@ -166,7 +172,8 @@ class CausalSelfAttention(nn.Module):
         """Args:
             x: (B, T, C) input.
             allowed: bool (T, Tk) causal mask for these T queries against Tk keys (Tk = T without a
-                cache, cache.length + T with one).
+                cache, cache.length + T with one); None when every query may read every key (one
+                new token decoding against a cache).
             cache: optional KV cache; this layer's new keys and values are appended to it.
             layer: index of this layer in the cache.
             weights_out: if a list is given, the (B, H, T, Tk) attention weights are appended to it
@@ -175,15 +182,13 @@ class CausalSelfAttention(nn.Module):
             (B, T, C)
         """
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, H, D)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # split into heads: 3 x (B, H, T, D)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, Tk, D) with Tk = cached + T
         p = self.dropout if self.training else 0.0
         if self.backend == "sdpa" and weights_out is None:
-            if k.size(2) == T:
+            if k.size(2) == T and allowed is not None:
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             else:
                 # is_causal aligns the triangle top-left, which is wrong once Tk > Tq (decoding

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import CausalSelfAttention, KVCache, causal_mask
+from .attention import CausalSelfAttention, KVCache, causal_mask, dropout_layer
 
 ATTN_BACKENDS = ("manual", "sdpa")
 
@@ -58,7 +58,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = dropout_layer(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, C)"""
@@ -77,7 +77,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, allowed: Tensor, cache: KVCache | None = None, layer: int = 0,
+    def forward(self, x: Tensor, allowed: Tensor | None, cache: KVCache | None = None, layer: int = 0,
                 weights_out: list[Tensor] | None = None) -> Tensor:
         """(B, T, C) -> (B, T, C); see CausalSelfAttention.forward for the other arguments."""
         x = x + self.attn(self.ln_1(x), allowed, cache, layer, weights_out)
@@ -93,7 +93,7 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = dropout_layer(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -119,6 +119,18 @@ class GPT(nn.Module):
         """Number of parameters (the tied embedding/head matrix counted once)."""
         return sum(p.numel() for p in self.parameters())
 
+    def flops_per_token(self, T: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), counted as nanoGPT and PaLM do.
+
+        6 per weight for the matmuls (2 forward, 4 backward) over the non-position parameters (the
+        tied embedding counts once, as the LM head's matmul), plus 12 * n_layer * n_embd * T for
+        the attention scores and the weighted sum of values (the causal half counted in full, by
+        convention). Used for MFU.
+        """
+        T = T or self.config.block_size
+        N = self.num_params() - self.pos_emb.weight.numel()
+        return 6 * N + 12 * self.config.n_layer * self.config.n_embd * T
+
     def hidden(self, idx: Tensor, cache: KVCache | None = None,
                weights_out: list[Tensor] | None = None) -> Tensor:
         """Final hidden states before the LM head.
@@ -139,7 +151,9 @@ class GPT(nn.Module):
             )
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
-        allowed = causal_mask(T, start + T, device=idx.device)  # (T, Tk), built once per forward
+        # (T, Tk), built once per forward. One new query against a cache may read every cached key
+        # (all are its past), so decoding steps skip the mask: same numbers, less work per token.
+        allowed = None if cache is not None and T == 1 else causal_mask(T, start + T, device=idx.device)
         for i, block in enumerate(self.blocks):
             x = block(x, allowed, cache, i, weights_out)
         if cache is not None:
@@ -170,7 +184,7 @@ class GPT(nn.Module):
         self.hidden(idx, weights_out=weights)
         return weights
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         idx: Tensor,
@@ -202,7 +216,7 @@ class GPT(nn.Module):
         new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache))
         return torch.cat([idx, *(t[:, None] for t in new)], dim=1)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def stream(
         self,
         idx: Tensor,
