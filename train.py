@@ -31,6 +31,8 @@ from training import (
     lr_at,
     model_from_checkpoint,
     parse_args,
+    peak_flops,
+    peak_memory_mb,
     resolve_device,
     resolve_dtype,
     run_facts,
@@ -54,14 +56,15 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     out_dir = Path(cfg.out_dir)
     ckpt_path = out_dir / CKPT_NAME
 
-    # --- data: encoded once, cached; both splits live on the training device as int64 ---------
+    # --- data: encoded once, cached; both splits live on the training device (int32: half the
+    # memory of int64; get_batch widens each batch to int64) -----------------------------------
     corpus = load_corpus(cfg.dataset, cfg.cache_dir, cfg.split or None, cfg.text_column or None)
     for name, split in (("train", corpus.train), ("val", corpus.val)):
         if len(split) < cfg.block_size + 1:
             raise ValueError(f"the {name} split of {corpus.name} has {len(split)} tokens; block_size="
                              f"{cfg.block_size} needs at least {cfg.block_size + 1}")
-    train_data = torch.from_numpy(corpus.train.astype(np.int64)).to(device)
-    val_data = torch.from_numpy(corpus.val.astype(np.int64)).to(device)
+    train_data = torch.from_numpy(corpus.train.astype(np.int32)).to(device)
+    val_data = torch.from_numpy(corpus.val.astype(np.int32)).to(device)
     vocab_size = corpus.tokenizer.vocab_size
 
     # --- model, optimizer, and (on --resume) the state to continue from ----------------------
@@ -98,8 +101,10 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
 
     # --- the loop ------------------------------------------------------------------------------
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
+    flops_per_token, peak = model.flops_per_token(cfg.block_size), peak_flops(device, cfg.peak_tflops)
     splits = {"train": train_data, "val": val_data}
-    train_seconds, steps_done, last_val = 0.0, 0, math.nan
+    train_seconds, steps_done, last_val, mfu = 0.0, 0, math.nan, None
+    history, interval_ms, last_log = [], [], (0, 0.0)  # evals; ms/step per log interval
     t_mark = time.perf_counter()
     for step in range(start_step, cfg.max_iters + 1):
         last_step = step == cfg.max_iters
@@ -115,6 +120,8 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             losses = estimate_loss(fwd, splits, cfg.batch_size, cfg.block_size, cfg.eval_iters,
                                    cfg.seed + 1, device, autocast)
             last_val = losses["val"]
+            history.append({"step": step, "train_loss": losses["train"], "val_loss": losses["val"],
+                            "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - t_start})
             log.line(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             log.scalars(step, {"train/loss_estimate": losses["train"], "val/loss": losses["val"]})
             if losses["val"] < best_val or cfg.always_save_checkpoint:
@@ -151,9 +158,13 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
                                          f"checkpoint in {out_dir} is untouched)")
             elapsed = train_seconds + time.perf_counter() - t_mark
             tok_s = steps_done * tokens_per_step / max(elapsed, 1e-9)
-            ms = 1000 * elapsed / steps_done
-            log.progress(step, loss_f, lr, ms, tok_s)
+            interval_ms.append(1000 * (elapsed - last_log[1]) / (steps_done - last_log[0]))
+            last_log = (steps_done, elapsed)
+            log.progress(step, loss_f, lr, interval_ms[-1], tok_s)
             scalars = {"train/loss": loss_f, "lr": lr, "tokens_per_second": tok_s}
+            if peak is not None:
+                mfu = flops_per_token * tok_s / peak  # model FLOPs utilisation, 0..1
+                scalars["mfu"] = mfu
             if cfg.grad_clip > 0:
                 scalars["grad_norm"] = grad_norm.item()
             log.scalars(step, scalars)
@@ -172,12 +183,16 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         "steps_this_run": steps_done,
         "train_seconds": train_seconds,
         "tokens_per_second": steps_done * tokens_per_step / train_seconds if train_seconds > 0 else None,
+        "ms_per_step_median": float(np.median(interval_ms)) if interval_ms else None,
+        "mfu": mfu,
         "wall_seconds": time.perf_counter() - t_start,
         "params": model.num_params(),
         "device": str(device),
+        "peak_memory_mb": peak_memory_mb(device),
+        "history": history,
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.line(f"summary: {json.dumps(summary)}")
+    log.line("summary: " + json.dumps({k: v for k, v in summary.items() if k != "history"}))
     log.close()
     return summary
 

@@ -5,7 +5,7 @@ from .checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, save_
 from .config import TrainConfig, help_text, parse_args
 from .evaluate import estimate_loss, exact_loss
 from .optim import configure_optimizer, lr_at
-from .runtime import autocast_context, resolve_device, resolve_dtype, run_facts
+from .runtime import autocast_context, peak_flops, peak_memory_mb, resolve_device, resolve_dtype, run_facts
 
 __all__ = [
     "CKPT_NAME",
@@ -17,6 +17,8 @@ __all__ = [
     "help_text",
     "load_checkpoint",
     "lr_at",
+    "peak_flops",
+    "peak_memory_mb",
     "model_from_checkpoint",
     "parse_args",
     "resolve_device",

@@ -67,6 +67,7 @@ class TrainConfig:
                     ("auto", "float32", "bfloat16", "float16"))
     compile: str = _f("auto", "torch.compile the model (auto = on for CUDA)", ("auto", "true", "false"))
     resume: bool = _f(False, "continue from out_dir/ckpt.pt")
+    peak_tflops: float = _f(0.0, "device peak TFLOP/s for MFU (0 = known GPUs only; no MFU on CPU)")
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -86,7 +87,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"config field {name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip"):
+        for name in ("min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "peak_tflops"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config field {name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:

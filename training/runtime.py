@@ -41,6 +41,35 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+# Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts), in FLOP/s. MFU is only
+# reported for devices listed here, or with an explicit peak: a guessed peak would be a made-up figure.
+PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+                   "A10G": 70e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12}
+
+
+def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
+    """The device's peak FLOP/s for MFU: the override when given (> 0), else a known GPU's bf16
+    peak, else None (CPUs and unknown GPUs: no MFU is reported)."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in PEAK_BF16_FLOPS.items():
+            if key in name:
+                return peak
+    return None
+
+
+def peak_memory_mb(device: torch.device) -> dict[str, float]:
+    """Peak resident memory of this process (CPU RSS) and, on CUDA, the peak allocated by PyTorch."""
+    import resource
+
+    out = {"cpu_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    if device.type == "cuda":
+        out["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
 def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """Mixed precision for the forward pass when dtype is below float32; a no-op otherwise."""
     if dtype == torch.float32:
