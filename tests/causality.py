@@ -90,7 +90,7 @@ def _change_from(x: Tensor, t: int, V: int, seed: int) -> Tensor:
     """x with every token at positions >= t replaced by a different token."""
     y = x.clone()
     shift = 1 + torch.randint(V - 1, x[:, t:].shape, generator=torch.Generator().manual_seed(seed))
-    y[:, t:] = (x[:, t:] + shift) % V
+    y[:, t:] = (x[:, t:] + shift.to(x.device)) % V
     return y
 
 
@@ -236,11 +236,14 @@ def check_dropout_causality(backend: str = "manual", seed: int = 3) -> Check:
 
 def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 24, seed: int = 4) -> Check:
     """Cached and uncached generation draw identical tokens from the same generator."""
-    runs = [model.generate(prompt, new_tokens, temperature=1.0, generator=torch.Generator().manual_seed(seed),
-                           use_cache=use_cache) for use_cache in (True, False)]
+    def gen(s: int) -> torch.Generator:
+        return torch.Generator(device=prompt.device).manual_seed(s)
+
+    runs = [model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed), use_cache=use_cache)
+            for use_cache in (True, False)]
     differ = (runs[0] != runs[1]).sum().item()
     # positive control: a different seed draws different tokens, so equality above is informative
-    other = model.generate(prompt, new_tokens, temperature=1.0, generator=torch.Generator().manual_seed(seed + 1))
+    other = model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed + 1))
     fired = (other != runs[0]).sum().item()
     return Check(f"model: KV-cache parity ({model.config.attn_backend})", differ == 0 and fired > 0,
                  float(differ), float(fired))
