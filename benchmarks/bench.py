@@ -1,0 +1,77 @@
+"""Benchmark a training config: ms/step, tokens/s, peak memory, MFU, time to a target val loss.
+
+    python benchmarks/bench.py CONFIG.toml [--field=value ...] [--json=FILE] [--target_val=X]
+
+Runs the real training loop (train.train) on the config with TensorBoard off, then prints one
+JSON object and optionally writes it to --json. Timing figures come from the loop's own clock:
+evaluation is excluded from train_seconds and ms/step; wall_seconds is the whole process from
+start-up (imports included) to the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+T_PROCESS = time.perf_counter()  # before torch is imported: start-up counts in the wall time
+
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import train  # noqa: E402
+from training import parse_args  # noqa: E402
+
+
+def time_to_target(history: list[dict], target: float) -> dict | None:
+    """The first evaluation whose val estimate is <= target: its step and the time taken to get there."""
+    for h in history:
+        if h["val_loss"] <= target:
+            return {"step": h["step"], "train_seconds": h["train_seconds"], "wall_seconds": h["wall_seconds"]}
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own = {"--json": None, "--target_val": None}
+    rest = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in own:
+            own[key] = value
+        elif arg in ("-h", "--help"):
+            print(__doc__)
+            return 0
+        else:
+            rest.append(arg)
+    cfg, _ = parse_args(rest + ["--tensorboard=false"])
+    summary = train.train(cfg, rest, verbose=False)
+    result = {
+        "config": {k: v for k, v in cfg.to_dict().items() if k not in ("dataset", "cache_dir", "out_dir")},
+        "device": summary["device"],
+        "steps": summary["steps_this_run"],
+        "ms_per_step_median": summary["ms_per_step_median"],
+        "ms_per_step_mean": 1000 * summary["train_seconds"] / max(1, summary["steps_this_run"]),
+        "tokens_per_second": summary["tokens_per_second"],
+        "train_seconds": summary["train_seconds"],
+        "wall_seconds": time.perf_counter() - T_PROCESS,
+        "peak_memory_mb": summary["peak_memory_mb"],
+        "mfu": summary["mfu"],
+        "final_val_loss": summary["final_val_loss"],
+        "best_val_loss": summary["best_val_loss"],
+        "params": summary["params"],
+    }
+    if own["--target_val"] is not None:
+        target = float(own["--target_val"])
+        result["target_val"] = target
+        result["time_to_target"] = time_to_target(summary["history"], target)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if own["--json"]:
+        Path(own["--json"]).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

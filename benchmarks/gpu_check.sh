@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One prepared script for a machine with a GPU: correctness on CUDA, the full GPU training run,
+# and the KV-cache benchmark, with every figure written as JSON/text to one folder.
+#
+#   SHAKESPEARE=path/to/input.txt bash benchmarks/gpu_check.sh [OUT_DIR]
+#   DRY=1 bash benchmarks/gpu_check.sh [OUT_DIR]      # CPU, small sizes: checks the script works
+#
+# OUT_DIR defaults to $OUT (set by the device tool) or out/gpu_check. Needs PyTorch, numpy, tqdm,
+# tensorboard and pytest; no network (the corpus comes from $SHAKESPEARE, or a synthetic one in
+# dry mode). Budget: under 8 minutes on one H100/H200 (compile ~1 min, 5000 steps, evals).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-out/gpu_check}}
+mkdir -p "$OUT_DIR"
+LOG="$OUT_DIR/log.txt"
+: > "$LOG"
+export PYTHONUNBUFFERED=1
+status=0
+step() { echo "== $*" | tee -a "$LOG"; }
+
+if [ "${DRY:-0}" = "1" ]; then
+    DEVICE=cpu
+    DATA="$OUT_DIR/dry_corpus.txt"
+    python - "$DATA" <<'EOF'
+import random, sys
+random.seed(0)
+words = "the king and queen of love shall speak to thee my lord what is this night".split()
+open(sys.argv[1], "w").write(" ".join(random.choice(words) for _ in range(20000)) + "\n")
+EOF
+    TRAIN_ARGS=(--max_iters=30 --eval_interval=10 --eval_iters=2 --n_layer=2 --n_head=2 --n_embd=64
+                --block_size=64 --batch_size=8 --compile=false)
+    KV_ARGS=(--small --repeats=1)
+else
+    DEVICE=cuda
+    DATA=${SHAKESPEARE:-data_cache/tinyshakespeare/input.txt}
+    TRAIN_ARGS=()
+    KV_ARGS=(--repeats=3)
+fi
+
+step "machine"
+{ nvidia-smi || echo "nvidia-smi not available"; } > "$OUT_DIR/nvidia-smi.txt" 2>&1
+python - > "$OUT_DIR/env.json" <<'EOF'
+import json, platform, torch
+info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(), "threads": torch.get_num_threads()}
+if torch.cuda.is_available():
+    info["gpu"] = torch.cuda.get_device_name(0)
+    info["bf16"] = torch.cuda.is_bf16_supported()
+print(json.dumps(info, indent=2))
+EOF
+cat "$OUT_DIR/env.json" | tee -a "$LOG"
+
+step "attention equivalence and causality tests on $DEVICE"
+python -m pytest tests/test_devices.py tests/test_attention.py tests/test_leakage.py -q -p no:cacheprovider \
+    > "$OUT_DIR/tests.txt" 2>&1 || status=1
+tail -3 "$OUT_DIR/tests.txt" | tee -a "$LOG"
+
+step "training run: configs/shakespeare_char.toml on $DEVICE"
+if [ -f "$DATA" ]; then
+    python benchmarks/bench.py configs/shakespeare_char.toml --dataset="$DATA" --device="$DEVICE" \
+        --out_dir="$OUT_DIR/run" --cache_dir="$OUT_DIR/cache" --target_val=1.48 \
+        --json="$OUT_DIR/train.json" "${TRAIN_ARGS[@]}" >> "$LOG" 2>&1 || status=1
+    tail -25 "$OUT_DIR/train.json" 2>/dev/null
+else
+    echo "no corpus at $DATA: set SHAKESPEARE=path/to/input.txt" | tee -a "$LOG"
+    status=1
+fi
+
+step "KV-cache benchmark on $DEVICE"
+python benchmarks/kv_cache.py --device="$DEVICE" --json="$OUT_DIR/kv_cache.json" "${KV_ARGS[@]}" \
+    >> "$LOG" 2>&1 || status=1
+cat "$OUT_DIR/kv_cache.json" 2>/dev/null | grep -E "per_second|speedup|identical" | tee -a "$LOG"
+
+rm -rf "$OUT_DIR/run" "$OUT_DIR/cache"  # checkpoints and caches stay behind: only figures come back
+step "done (status $status); results in $OUT_DIR"
+exit $status
