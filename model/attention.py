@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["attention", "causal_mask", "combine_masks", "CausalSelfAttention", "KVCache", "dropout_layer"]
+__all__ = ["attention", "causal_mask", "combine_masks", "apply_rope", "CausalSelfAttention", "KVCache",
+           "dropout_layer"]
 
 
 def dropout_layer(p: float) -> nn.Module:
@@ -122,6 +123,23 @@ def attention(
     return out, weights
 
 
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each pair of channels (i, i + D/2) of x by its position's angle (rotary embedding).
+
+    A query at position m and a key at position n then score q_m . k_n as a function of m - n only:
+    the scores see relative positions, and no position table is added to the embeddings.
+
+    Args:
+        x: (B, H, T, D) queries or keys.
+        cos, sin: (T, D/2) for the positions of x.
+    Returns:
+        (B, H, T, D)
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, H, T, D/2)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
 class KVCache:
     """Keys and values of earlier positions, one pair per layer, for incremental decoding.
 
@@ -152,11 +170,13 @@ class CausalSelfAttention(nn.Module):
     `backend="sdpa"` runs PyTorch's fused `scaled_dot_product_attention`, the fast path.
     """
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, backend: str) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, backend: str,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         self.n_head = n_head
         self.backend = backend
         self.dropout = dropout
+        self.qk_norm = qk_norm
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # one fused matmul for q, k and v
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = dropout_layer(dropout)
@@ -168,6 +188,7 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         weights_out: list[Tensor] | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Args:
             x: (B, T, C) input.
@@ -178,12 +199,17 @@ class CausalSelfAttention(nn.Module):
             layer: index of this layer in the cache.
             weights_out: if a list is given, the (B, H, T, Tk) attention weights are appended to it
                 (forces the manual path, which is the only one that materialises them).
+            rope: (cos, sin), each (T, D/2), for rotary positions; None with a learned position table.
         Returns:
             (B, T, C)
         """
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # split into heads: 3 x (B, H, T, D)
+        if self.qk_norm:
+            q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))  # unit RMS per head
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # before caching: cached keys stay rotated
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, Tk, D) with Tk = cached + T
         p = self.dropout if self.training else 0.0

@@ -1,5 +1,10 @@
 """A decoder-only GPT: token + position embeddings, pre-LayerNorm blocks, tied LM head.
 
+The defaults are GPT-2's (and nanoGPT's) choices. A few later techniques are options, each a
+few lines, for the fast recipes (configs/*_fast.toml; benchmarks/RESULTS.md says what each buys):
+rotary positions, RMSNorm, ReLU², QK normalisation, an untied head, zero-initialised residual
+projections and logit soft-capping.
+
 Shapes use the glossary in model/attention.py (B, T, C, H, D, V).
 """
 
@@ -16,6 +21,9 @@ from torch import Tensor, nn
 from .attention import CausalSelfAttention, KVCache, causal_mask, dropout_layer
 
 ATTN_BACKENDS = ("manual", "sdpa")
+POS_EMBS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLP_ACTS = ("gelu", "relu2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +38,14 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False  # biases in Linear and LayerNorm; nanoGPT's char recipes train without
     attn_backend: str = "manual"  # "manual" (from scratch) or "sdpa" (fused, fast)
+    # later techniques, off by default (GPT-2's choices)
+    pos_emb: str = "learned"  # "rope": rotate q and k by their position instead of adding a table (RoFormer)
+    norm: str = "layernorm"  # "rmsnorm": scale by the root mean square only, no centring, no bias
+    mlp_act: str = "gelu"  # "relu2": relu(x)^2, cheaper than GELU and as good or better (Primer)
+    qk_norm: bool = False  # RMS-normalise q and k per head: attention logits stay bounded at high lr
+    tie_embeddings: bool = True  # False: the LM head gets its own matrix
+    zero_init_proj: bool = False  # residual output projections start at 0: each block starts as identity
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap), a smooth bound on confidence
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -42,27 +58,56 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(
-                f"GPTConfig.attn_backend={self.attn_backend!r} is unknown; choose one of {ATTN_BACKENDS}"
-            )
+        for name, choices in (("attn_backend", ATTN_BACKENDS), ("pos_emb", POS_EMBS), ("norm", NORMS),
+                              ("mlp_act", MLP_ACTS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"GPTConfig.{name}={getattr(self, name)!r} is unknown; choose one of {choices}"
+                )
+        if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"GPTConfig.pos_emb='rope' needs an even head width, got "
+                             f"n_embd // n_head = {self.n_embd // self.n_head}")
+        if self.logit_softcap < 0:
+            raise ValueError(f"GPTConfig.logit_softcap must be >= 0, got {self.logit_softcap!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight: LayerNorm without the mean subtraction and the bias."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(..., C) -> (..., C)"""
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.n_embd)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
+
+
 class MLP(nn.Module):
-    """Position-wise feed-forward: C -> 4C -> GELU -> C."""
+    """Position-wise feed-forward: C -> 4C -> GELU (or ReLU²) -> C."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = dropout_layer(config.dropout)
+        self.relu2 = config.mlp_act == "relu2"
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, C)"""
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        h = self.fc(x)  # (B, T, 4C)
+        h = F.relu(h).square() if self.relu2 else F.gelu(h)
+        return self.dropout(self.proj(h))
 
 
 class Block(nn.Module):
@@ -70,17 +115,17 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(
-            config.n_embd, config.n_head, config.dropout, config.bias, config.attn_backend
+            config.n_embd, config.n_head, config.dropout, config.bias, config.attn_backend, config.qk_norm
         )
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, allowed: Tensor | None, cache: KVCache | None = None, layer: int = 0,
-                weights_out: list[Tensor] | None = None) -> Tensor:
+                weights_out: list[Tensor] | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """(B, T, C) -> (B, T, C); see CausalSelfAttention.forward for the other arguments."""
-        x = x + self.attn(self.ln_1(x), allowed, cache, layer, weights_out)
+        x = x + self.attn(self.ln_1(x), allowed, cache, layer, weights_out, rope)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -92,19 +137,27 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
         self.drop = dropout_layer(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # weight tying: the input embedding and the output projection share one matrix
-        self.lm_head.weight = self.tok_emb.weight
+        if config.tie_embeddings:
+            # weight tying: the input embedding and the output projection share one matrix
+            self.lm_head.weight = self.tok_emb.weight
+        if config.pos_emb == "rope":
+            cos, sin = rope_tables(config.block_size, config.n_embd // config.n_head)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, D/2)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
         # variance does not grow with depth (two residual additions per block)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                if config.zero_init_proj:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -128,7 +181,11 @@ class GPT(nn.Module):
         convention). Used for MFU.
         """
         T = T or self.config.block_size
-        N = self.num_params() - self.pos_emb.weight.numel()
+        N = self.num_params()
+        if self.pos_emb is not None:
+            N -= self.pos_emb.weight.numel()
+        if not self.config.tie_embeddings:
+            N -= self.tok_emb.weight.numel()  # a lookup, not a matmul, once it is not the head
         return 6 * N + 12 * self.config.n_layer * self.config.n_embd * T
 
     def hidden(self, idx: Tensor, cache: KVCache | None = None,
@@ -149,13 +206,18 @@ class GPT(nn.Module):
                 f"sequence length {start + T} exceeds block_size {self.config.block_size}; "
                 "crop the context to the last block_size tokens"
             )
-        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        x = self.tok_emb(idx)  # (B, T, C)
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))  # + (T, C)
+        else:
+            rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])  # 2 x (T, D/2)
+        x = self.drop(x)
         # (T, Tk), built once per forward. One new query against a cache may read every cached key
         # (all are its past), so decoding steps skip the mask: same numbers, less work per token.
         allowed = None if cache is not None and T == 1 else causal_mask(T, start + T, device=idx.device)
         for i, block in enumerate(self.blocks):
-            x = block(x, allowed, cache, i, weights_out)
+            x = block(x, allowed, cache, i, weights_out, rope)
         if cache is not None:
             cache.length = start + T
         return self.ln_f(x)  # (B, T, C)
@@ -171,11 +233,19 @@ class GPT(nn.Module):
             logits: (B, T, V).
             loss: scalar mean cross-entropy over all B*T positions, or None without targets.
         """
-        logits = self.lm_head(self.hidden(idx))  # (B, T, V)
+        logits = self.logits(self.hidden(idx))  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+    def logits(self, h: Tensor) -> Tensor:
+        """LM head (with the optional soft cap): hidden states (..., C) -> logits (..., V)."""
+        logits = self.lm_head(h)
+        if self.config.logit_softcap > 0:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits
 
     @torch.no_grad()
     def attention_maps(self, idx: Tensor) -> list[Tensor]:
@@ -237,7 +307,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None
         for _ in range(max_new_tokens):
             if not use_cache:
-                logits = self.lm_head(self.hidden(context)[:, -1])  # (B, V)
+                logits = self.logits(self.hidden(context)[:, -1])  # (B, V)
             else:
                 if cache is None or cache.length >= block:
                     # (re-)prefill: the whole window in one forward
@@ -245,7 +315,7 @@ class GPT(nn.Module):
                     h = self.hidden(context, cache)
                 else:
                     h = self.hidden(context[:, -1:], cache)  # only the newest token
-                logits = self.lm_head(h[:, -1])  # (B, V)
+                logits = self.logits(h[:, -1])  # (B, V)
             next_id = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             context = torch.cat((context, next_id), dim=1)[:, -block:]
             yield next_id[:, 0]
@@ -254,6 +324,17 @@ class GPT(nn.Module):
         c = self.config
         dtype = self.tok_emb.weight.dtype
         return KVCache(c.n_layer, B, c.n_head, c.block_size, c.n_embd // c.n_head, device, dtype)
+
+
+def rope_tables(block_size: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles: position p turns channel pair i by p * base^(-2i/D).
+
+    Returns:
+        cos, sin: (block_size, D/2) each.
+    """
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
+    angles = torch.arange(block_size, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+    return angles.cos(), angles.sin()
 
 
 def sample_next(
