@@ -48,7 +48,7 @@ def sample_texts(acc):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     cfg = tiny_config(tmp_path_factory.mktemp("tb"), always_save_checkpoint=True, sample_prompt="ROMEO:")
-    summary = train.train(cfg, verbose=False)
+    summary = train.train(cfg)  # verbose: a silent run writes no events (pytest captures the lines)
     return cfg, summary, read_events(cfg.out_dir)
 
 
@@ -124,7 +124,7 @@ def test_snapshot_leaves_the_global_rng_and_the_model_mode_alone(tmp_path):
     cfg = tiny_config(tmp_path, dropout=0.5)  # dropout would draw from the global RNG in train mode
     corpus = load_corpus(cfg.dataset, cfg.cache_dir)
     model = GPT(cfg.model_config(corpus.tokenizer.vocab_size)).train()
-    log = RunLog(tmp_path / "tb", cfg.max_iters, 0, tensorboard=True, enabled=False)
+    log = RunLog(tmp_path / "tb", cfg.max_iters, 0, tensorboard=True)
     before = torch.get_rng_state()
     log.snapshot(0, model, corpus, cfg)
     log.close()
@@ -145,9 +145,10 @@ def test_prompts_fall_back_to_the_vocabulary_and_name_bad_characters(tmp_path):
         resolve_prompts(cfg.replace(sample_prompt="JULIET"), corpus)
 
 
-def test_tensorboard_false_writes_no_events(tmp_path):
-    cfg = tiny_config(tmp_path, tensorboard=False, max_iters=2, exact_val=False)
-    train.train(cfg, verbose=False)
+@pytest.mark.parametrize("tensorboard, verbose", [(False, True), (True, False)])
+def test_tensorboard_false_or_a_silent_run_writes_no_events(tmp_path, tensorboard, verbose):
+    cfg = tiny_config(tmp_path, tensorboard=tensorboard, max_iters=2, exact_val=False)
+    train.train(cfg, verbose=verbose)
     assert not any(p.name.startswith("events.out") for p in (tmp_path / "out").iterdir())
 
 

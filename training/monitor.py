@@ -30,16 +30,16 @@ class RunLog:
     """Progress line `step | loss | lr | ms/step | tok/s` plus TensorBoard scalars.
 
     On a terminal the line is a tqdm bar; when stderr is not a terminal (CI, a log file) it is
-    printed as plain text every log step instead, so logs stay readable. `enabled` governs only the
-    console; TensorBoard follows `tensorboard`. The writer is created on first use, so importing
-    tensorboard never delays the first training step.
+    printed as plain text every log step instead, so logs stay readable. enabled=False is a silent
+    log (no console output and no event files: train(verbose=False), and every process but rank 0).
+    The writer is created on first use, so importing tensorboard never delays the first step.
     """
 
     def __init__(self, out_dir: str | Path, total: int, initial: int, tensorboard: bool,
                  enabled: bool = True) -> None:
         self.out_dir = Path(out_dir)
         self.enabled = enabled
-        self.tensorboard = tensorboard
+        self.tensorboard = tensorboard and enabled
         self.initial = initial
         self._writer = None
         self._prompts: tuple[list[int], list[int]] | None = None
