@@ -73,6 +73,8 @@ def test_resumed_tensorboard_curves_equal_the_uninterrupted_ones(runs):
         assert [float(v) for _, v in values(b, tag)] == [float(v) for _, v in values(a, tag)], tag
     assert sample_texts(b) == sample_texts(a)
     assert [s for s, _ in values(b, "attention/layer_0")] == [0, N // 2, N]
+    # one HParams session: the half run's (written at its last step, N/2) is purged with its points
+    assert [s for s, _ in values(b, "_hparams_/session_start_info")] == [N]
 
 
 def test_the_half_run_alone_differs_without_a_restored_rng(tmp_path):

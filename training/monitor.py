@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -89,7 +90,7 @@ class RunLog:
         if self.tensorboard:
             self.writer.add_text(tag, "\n".join("    " + line for line in value.split("\n")), step)
 
-    def image(self, step: int, tag: str, image) -> None:
+    def image(self, step: int, tag: str, image: np.ndarray) -> None:
         """An (height, width, 3) uint8 RGB image."""
         if self.tensorboard:
             self.writer.add_image(tag, image, step, dataformats="HWC")
