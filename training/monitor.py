@@ -28,7 +28,7 @@ from .visualize import prompt_attention, render_attention
 
 
 class RunLog:
-    """Progress line `step | loss | lr | ms/step | tok/s` plus TensorBoard scalars.
+    """Progress line `step | loss | lr | ms/step | tok/s` plus TensorBoard events.
 
     On a terminal the line is a tqdm bar; when stderr is not a terminal (CI, a log file) it is
     printed as plain text every log step instead, so logs stay readable. enabled=False is a silent
