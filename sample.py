@@ -1,8 +1,10 @@
 """Sample text from a trained checkpoint.
 
     python sample.py --out_dir=out/shakespeare_char --prompt="ROMEO:" --max_new_tokens=500
+    python sample.py --out_dir=out/shakespeare_char --prompt="ROMEO:" --attention_png=attention.png
 
 Prints the prompt followed by its continuation; characters stream out as they are generated.
+With --attention_png it draws the prompt's attention weights instead (training/visualize.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from pathlib import Path
 
 import torch
 
+from data import CharTokenizer
+from model import GPT
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
+from training.visualize import prompt_attention, save_attention_png
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--out_dir", default="out/shakespeare_char", help="run directory holding ckpt.pt")
-    p.add_argument("--ckpt", default=None, help="checkpoint file (default: OUT_DIR/ckpt.pt)")
-    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--ckpt", default=None, help="checkpoint file; None = OUT_DIR/ckpt.pt (default: %(default)s)")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: %(default)r, a newline)")
     p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file instead")
     p.add_argument("--max_new_tokens", type=int, default=500, help="characters to generate per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; <1 sharper, >1 more random")
@@ -34,7 +39,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337, help="sampling seed (same seed, same text)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token")
+    p.add_argument("--attention_png", default=None, metavar="FILE",
+                   help="instead of sampling, write the prompt's attention weights as a PNG: a heatmap per "
+                        "layer (rows) and head (columns); in each, rows = queries, columns = keys")
     return p
+
+
+def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int]]:
+    """The checkpoint's model (eval mode, on args.device), its tokenizer, the prompt and its ids."""
+    device = resolve_device(args.device)
+    ckpt = load_checkpoint(args.ckpt or Path(args.out_dir) / CKPT_NAME, map_location=device)
+    model, tok = model_from_checkpoint(ckpt, device, dropout=0.0)
+    model.eval()
+    try:
+        prompt = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else args.prompt
+    except OSError as e:
+        raise ValueError(f"--prompt_file={args.prompt_file}: {e.strerror}") from None
+    if not prompt:
+        raise ValueError("the prompt is empty; give at least one character")
+    try:
+        ids = tok.encode(prompt)
+    except ValueError as e:
+        raise ValueError(f"prompt: {e}") from None
+    return model, tok, prompt, ids
+
+
+def attention_png(args: argparse.Namespace) -> Path:
+    """Write the attention weights of every layer and head for the prompt to args.attention_png.
+
+    A prompt longer than block_size is drawn from its last block_size characters (what the model
+    sees when it predicts the next one). Returns the path written.
+    """
+    model, _, prompt, ids = load(args)
+    block = model.config.block_size
+    if len(ids) > block:
+        print(f"[the prompt has {len(ids)} characters; drawing its last {block} (block_size)]", file=sys.stderr)
+        prompt, ids = prompt[-block:], ids[-block:]
+    maps = prompt_attention(model, ids)  # L x (H, T, T)
+    path = save_attention_png(args.attention_png, maps, list(prompt))
+    print(f"[wrote {path}: {len(maps)} layers x {maps[0].shape[0]} heads, {len(ids)} queries x {len(ids)} keys]",
+          file=sys.stderr)
+    return path
 
 
 def sample(args: argparse.Namespace, out=sys.stdout) -> list[str]:
@@ -43,17 +88,15 @@ def sample(args: argparse.Namespace, out=sys.stdout) -> list[str]:
         raise ValueError(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
     if args.num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
-    device = resolve_device(args.device)
-    ckpt = load_checkpoint(args.ckpt or Path(args.out_dir) / CKPT_NAME, map_location=device)
-    model, tok = model_from_checkpoint(ckpt, device, dropout=0.0)
-    model.eval()
-    prompt = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else args.prompt
-    if not prompt:
-        raise ValueError("the prompt is empty; give at least one character")
-    try:
-        ids = tok.encode(prompt)
-    except ValueError as e:
-        raise ValueError(f"prompt: {e}") from None
+    # checked before anything is printed, not at the first token
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top_k must be >= 0 (0 = all tokens), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top_p must be in (0, 1] (1 = off), got {args.top_p}")
+    model, tok, prompt, ids = load(args)
+    device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     texts, n_tokens, t0 = [], 0, time.perf_counter()
@@ -79,7 +122,10 @@ def sample(args: argparse.Namespace, out=sys.stdout) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        sample(args)
+        if args.attention_png:
+            attention_png(args)
+        else:
+            sample(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -112,8 +112,9 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        resumed_here = ckpt is not None and step == start_step  # already evaluated before saving
-        if (step % cfg.eval_interval == 0 or last_step) and not resumed_here:
+        # a resumed run evaluates its first step again: the same weights and eval seed give the same
+        # numbers, and TensorBoard, purged from start_step on, gets that step's points back
+        if step % cfg.eval_interval == 0 or last_step:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             train_seconds += time.perf_counter() - t_mark
@@ -124,6 +125,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
                             "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - t_start})
             log.line(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             log.scalars(step, {"train/loss_estimate": losses["train"], "val/loss": losses["val"]})
+            log.snapshot(step, model, corpus, cfg)  # text sample and attention maps, from `model`
             if losses["val"] < best_val or cfg.always_save_checkpoint:
                 best_val = min(best_val, losses["val"])
                 if step > 0:
@@ -193,6 +195,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.line("summary: " + json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    log.hparams(cfg.max_iters, cfg.to_dict())
     log.close()
     return summary
 

@@ -108,51 +108,109 @@ def _download(url: str, target: Path) -> None:
         ) from None
 
 
-def hf_dataset(spec: str, split: str | None, text_column: str | None) -> Source:
+# Local files `datasets` can read, by suffix -> its packaged builder.
+HF_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text",
+               ".arrow": "arrow"}
+# Written by Dataset/DatasetDict.save_to_disk: such a directory is read with load_from_disk.
+SAVED_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
+# The usual split order: a corpus cut into train/validation/test reads back in its original order.
+SPLIT_ORDER = {"train": 0, "validation": 1, "test": 2}
+
+
+def hf_dataset(spec: str, split: str | None, text_column: str | None,
+               cache_dir: str | os.PathLike = "data_cache") -> Source:
     """A Hugging Face dataset's text column, via `datasets` (imported only when used).
 
-    spec is NAME or NAME:SPLIT after the "hf:" prefix. NAME may be a hub id, a directory written
-    by `Dataset.save_to_disk`, or a local data directory/file that `load_dataset` understands.
-    Without a split, every split is concatenated: train, validation, test first (in that order,
-    so a hub copy of a corpus that was cut into splits reads in its original order), then any
-    others by name.
+    Args:
+        spec: NAME or NAME:SPLIT (what follows "hf:"). NAME is, in this order:
+            - an existing directory written by `save_to_disk` (read with `load_from_disk`);
+            - an existing .parquet/.json/.jsonl/.csv/.txt/.arrow file, or a directory of such files
+              (e.g. a clone of a hub dataset repository), read with `load_dataset`, no network;
+            - otherwise a hub id such as karpathy/tiny_shakespeare, downloaded once (with progress
+              bars) into huggingface_hub's cache (~/.cache/huggingface/hub; HF_HOME moves it).
+        split: the split to read; None reads every split, concatenated train, validation, test
+            first (so the hub copy of Tiny Shakespeare, cut 1,003,854 / 55,770 / 55,770, reads back
+            as the original file and the 90/10 split is nanoGPT's), then the others by name.
+        text_column: the column to read; None means 'text', else the only string column.
+        cache_dir: the project's cache; `datasets` keeps the Arrow tables it prepares in cache_dir/hf.
+    Returns:
+        The rows of the column concatenated as they are (no separator is added), keyed by the
+        sha256 of that text, so the same content shares one encoded cache however it was loaded.
+    Raises:
+        ValueError: a missing path, an unknown split or column, an unsupported file.
+        ConnectionError: the hub cannot be reached; the message says how to pass a local copy.
     """
     name, _, spec_split = spec.partition(":")
+    if split and spec_split and split != spec_split:
+        raise ValueError(f"dataset=hf:{spec} names split {spec_split!r} but config field split={split!r}")
     split = split or spec_split or None
     try:
         import datasets
     except ImportError:
         raise ImportError("dataset 'hf:...' needs the `datasets` package: pip install datasets") from None
-    local = Path(name)
-    if (local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists():
-        ds = datasets.load_from_disk(name)  # written by save_to_disk
-    else:
-        ds = datasets.load_dataset(name)
-    if isinstance(ds, datasets.DatasetDict):
-        if split is not None:
-            if split not in ds:
-                raise ValueError(f"hf:{name} has no split {split!r}; it has {sorted(ds)}")
-            parts = [ds[split]]
+    hf_cache = str(Path(cache_dir) / "hf")
+    local = Path(name).expanduser()
+    saved = local.is_dir() and any((local / m).exists() for m in SAVED_MARKERS)
+    if not local.exists() and (name.startswith((".", "/", "~")) or local.suffix in HF_BUILDERS
+                               or name.count("/") > 1):
+        raise ValueError(f"dataset=hf:{name}: no such file or directory (a hub id is NAME or OWNER/NAME)")
+    if local.exists() and not saved:
+        builder, options = _local_builder(local, name)
+    try:
+        if saved:
+            ds = datasets.load_from_disk(str(local))
+        elif local.exists():
+            ds = datasets.load_dataset(builder, **options, split=split, cache_dir=hf_cache)
         else:
-            order = {"train": 0, "validation": 1, "test": 2}
-            parts = [ds[s] for s in sorted(ds, key=lambda s: (order.get(s, 3), s))]
+            ds = datasets.load_dataset(name, split=split, cache_dir=hf_cache)
+    except ConnectionError as e:
+        raise ConnectionError(
+            f"could not load hf:{name} from the Hugging Face Hub ({e}). Offline? Pass a local copy "
+            f"instead: --dataset=hf:PATH, where PATH is a directory written by save_to_disk, a "
+            f".parquet/.json/.jsonl/.csv file, or a folder of them such as a clone of the dataset's "
+            f"repository; or --dataset=PATH for plain UTF-8 text (a file or a folder of .txt files)"
+        ) from None
+    except (datasets.exceptions.DatasetNotFoundError, ValueError) as e:  # e.g. 'Unknown split "x"'
+        raise ValueError(f"dataset=hf:{name}: {e}") from None
+    if split is not None and isinstance(ds, datasets.DatasetDict):  # load_from_disk reads every split
+        if split not in ds:
+            raise ValueError(f"dataset=hf:{name} has no split {split!r}; it has {sorted(ds)}")
+        ds = ds[split]
+    if isinstance(ds, datasets.DatasetDict):
+        parts = [ds[s] for s in sorted(ds, key=lambda s: (SPLIT_ORDER.get(s, len(SPLIT_ORDER)), s))]
     else:
         parts = [ds]
-    texts, digest = [], hashlib.sha256()
+    texts = []
     for part in parts:
         column = text_column or _text_column(part, name)
         if column not in part.column_names:
             raise ValueError(f"hf:{name} has no column {column!r}; it has {part.column_names}")
-        digest.update(part._fingerprint.encode() + column.encode())
-        texts.extend(part[column])
-    return Source("".join(texts), digest.hexdigest(), f"hf:{name}")
+        if getattr(part.features[column], "dtype", None) not in ("string", "large_string"):
+            raise ValueError(f"hf:{name} column {column!r} holds {part.features[column]}, not text; "
+                             f"set text_column to one of the string columns")
+        texts.extend(t for t in part[column] if t is not None)  # a missing row adds nothing
+    text = "".join(texts)
+    return Source(text, _sha256(text.encode("utf-8")), f"hf:{name}" + (f":{split}" if split else ""))
+
+
+def _local_builder(path: Path, name: str) -> tuple[str, dict]:
+    """The `load_dataset` call for a local data file or folder of them: (path or builder, options)."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and p.suffix in HF_BUILDERS]
+    if not files or (path.is_file() and path.suffix not in HF_BUILDERS):
+        raise ValueError(f"dataset=hf:{name}: expected a save_to_disk directory, or a file or folder of "
+                         f"{', '.join(HF_BUILDERS)} files; for plain text drop the hf: prefix")
+    # the text builder cuts lines; keeping their line breaks makes the rows concatenate to the files
+    options = {"keep_linebreaks": True} if all(f.suffix == ".txt" for f in files) else {}
+    if path.is_file():
+        return HF_BUILDERS[path.suffix], {"data_files": str(path), **options}
+    return str(path), options  # a folder: datasets infers the format and the splits from file names
 
 
 def _text_column(ds, name: str) -> str:
     """The column named 'text', else the only string column."""
     if "text" in ds.column_names:
         return "text"
-    strings = [c for c, f in ds.features.items() if getattr(f, "dtype", None) == "string"]
+    strings = [c for c, f in ds.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
     if len(strings) == 1:
         return strings[0]
     raise ValueError(f"hf:{name}: cannot tell the text column among {ds.column_names}; set text_column")
@@ -171,7 +229,7 @@ def load_source(dataset: str, cache_dir: str | os.PathLike, split: str | None = 
     if dataset == "shakespeare_char":
         return tiny_shakespeare(cache_dir)
     if dataset.startswith("hf:"):
-        return hf_dataset(dataset[3:], split, text_column)
+        return hf_dataset(dataset[3:], split, text_column, cache_dir)
     path = Path(dataset).expanduser()
     if path.is_file():
         return read_text_file(path)

@@ -16,6 +16,8 @@ from typing import Any
 from model import GPTConfig
 from model.gpt import ATTN_BACKENDS
 
+ATTENTION_PROMPT_CHARS = 32  # default attention prompt: 32 x 32 cells per head stay readable
+
 
 def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A dataclass field carrying its one-line description (and valid choices) for --help."""
@@ -60,6 +62,11 @@ class TrainConfig:
     exact_val: bool = _f(True, "at the end, compute the exact loss over the whole val split")
     always_save_checkpoint: bool = _f(False, "save at every eval, not only when val improves")
     tensorboard: bool = _f(True, "write TensorBoard event files to out_dir")
+    sample_prompt: str = _f("", "prompt of the TensorBoard text sample at each eval ('' = newline, "
+                                "or the first vocabulary character)")
+    sample_tokens: int = _f(200, "characters in the TensorBoard text sample at each eval (0 = no sample)")
+    attention_prompt: str = _f("", "text whose attention maps TensorBoard shows at each eval ('' = the first "
+                                   f"{ATTENTION_PROMPT_CHARS} characters of the val split)")
     # system
     seed: int = _f(1337, "seeds the model init, the batch generator and dropout")
     device: str = _f("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
@@ -87,7 +94,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"config field {name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "peak_tflops"):
+        for name in ("min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "peak_tflops",
+                     "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config field {name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:
