@@ -28,7 +28,6 @@ from training import (
     exact_loss,
     help_text,
     load_checkpoint,
-    lr_at,
     model_from_checkpoint,
     parse_args,
     peak_flops,
@@ -37,6 +36,7 @@ from training import (
     resolve_dtype,
     run_facts,
     save_checkpoint,
+    set_lr,
 )
 from training.monitor import RunLog
 
@@ -108,9 +108,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     t_mark = time.perf_counter()
     for step in range(start_step, cfg.max_iters + 1):
         last_step = step == cfg.max_iters
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(optimizer, step, cfg)
 
         # a resumed run evaluates its first step again: the same weights and eval seed give the same
         # numbers, and TensorBoard, purged from start_step on, gets that step's points back

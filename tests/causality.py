@@ -73,6 +73,10 @@ def redraw_parameters_(model: torch.nn.Module, seed: int = 0, gain: float = 1.5)
     return model
 
 
+MODERN = dict(pos_emb="rope", norm="rmsnorm", mlp_act="relu2", qk_norm=True, tie_embeddings=False,
+              logit_softcap=10.0)
+
+
 def leak_test_model(backend: str = "manual", dropout: float = 0.0, seed: int = 0, **kw) -> GPT:
     """A float64 GPT with two layers (a leak can take two hops) and re-drawn weights, in eval mode."""
     cfg = dict(vocab_size=13, block_size=10, n_layer=2, n_head=2, n_embd=16, bias=True,
@@ -234,7 +238,7 @@ def check_dropout_causality(backend: str = "manual", seed: int = 3) -> Check:
     return Check(f"model: dropout causality ({backend})", quiet == 0 and fired > 0, quiet, fired)
 
 
-def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 24, seed: int = 4) -> Check:
+def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 16, seed: int = 4) -> Check:
     """Cached and uncached generation draw identical tokens from the same generator."""
     def gen(s: int) -> torch.Generator:
         return torch.Generator(device=prompt.device).manual_seed(s)
@@ -313,7 +317,9 @@ def run_check(name: str, fn: Callable[..., Check], *args) -> Check:
 
 def model_checks(model: GPT, x: Tensor) -> list[Check]:
     """The model-level checks that run on any model (random or trained), in float64."""
-    tag = model.config.attn_backend
+    c = model.config
+    modern = (c.pos_emb, c.qk_norm) != ("learned", False)
+    tag = c.attn_backend + (f", {c.pos_emb}, qk_norm={c.qk_norm}" if modern else "")
     return [run_check(f"model: future perturbation ({tag})", check_future_perturbation, model, x),
             run_check(f"model: gradients ({tag})", check_gradients, model, x),
             run_check(f"model: prefix parity ({tag})", check_prefix_parity, model, x),
@@ -331,6 +337,9 @@ def all_checks() -> list[Check]:
         m = leak_test_model(backend)
         checks += model_checks(m, random_tokens(4, m.config.block_size, m.config.vocab_size))
         checks.append(run_check(f"model: dropout causality ({backend})", check_dropout_causality, backend))
+        # and a model with every later technique on: rotary positions reach attention another way
+        m = leak_test_model(backend, **MODERN)
+        checks += model_checks(m, random_tokens(4, m.config.block_size, m.config.vocab_size))
     m = leak_test_model("manual")
     corpus = np.random.default_rng(0).integers(0, m.config.vocab_size, 500).astype(np.uint16)
     checks.append(run_check("loss: CE against the next token", check_loss_is_next_token_cross_entropy, m, corpus))

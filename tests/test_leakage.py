@@ -6,9 +6,13 @@ model with:  python -m pytest tests/test_leakage.py --ckpt out/shakespeare_char/
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 
 import causality as C
+from model import GPTConfig
 
 BACKENDS = ["manual", "sdpa"]
 
@@ -59,7 +63,7 @@ def test_dropout_never_readmits_future_tokens(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cached_and_uncached_generation_draw_identical_tokens(backend):
     model = C.leak_test_model(backend)
-    # 3-token prompt + 24 new tokens passes block_size 10: covers the re-prefill path too
+    # 3-token prompt + 16 new tokens passes block_size 10: covers the re-prefill path too
     assert_ok(C.check_cache_parity(model, C.random_tokens(3, 3, model.config.vocab_size)))
 
 
@@ -78,3 +82,34 @@ def test_leak_checks_pass_on_checkpoint_weights(request, tmp_path):
     for check in checks:
         print(check)
     assert all(c.ok for c in checks), "\n".join(str(c) for c in checks if not c.ok)
+
+
+# --- every model option, in every combination ------------------------------------------------------
+
+OPTION_VALUES = {  # each GPTConfig option and the values the leakage suite covers
+    "attn_backend": ["manual", "sdpa"],
+    "pos_emb": ["learned", "rope"],
+    "norm": ["layernorm", "rmsnorm"],
+    "mlp_act": ["gelu", "relu2"],
+    "qk_norm": [False, True],
+    "tie_embeddings": [True, False],
+    "logit_softcap": [0.0, 10.0],
+    "zero_init_proj": [True],  # the checks re-draw every weight, so only the structure matters
+}
+SIZE_FIELDS = {"vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias"}
+COMBINATIONS = [dict(zip(OPTION_VALUES, values, strict=True))
+                for values in itertools.product(*OPTION_VALUES.values())]
+
+
+def test_the_option_matrix_covers_every_model_option():
+    options = {f.name for f in dataclasses.fields(GPTConfig)} - SIZE_FIELDS
+    assert options == set(OPTION_VALUES), f"add {options - set(OPTION_VALUES)} to OPTION_VALUES"
+
+
+@pytest.mark.parametrize("options", COMBINATIONS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_every_combination_of_model_options_is_causal(options):
+    """Perturbation, gradient, prefix and KV-cache checks (rope included) for each combination."""
+    model = C.leak_test_model(**{"backend": options["attn_backend"]},
+                              **{k: v for k, v in options.items() if k != "attn_backend"})
+    failed = [str(c) for c in C.model_checks(model, C.random_tokens(3, 8, model.config.vocab_size)) if not c.ok]
+    assert not failed, "\n".join(failed)

@@ -4,7 +4,7 @@ checkpoints, device selection and run logging."""
 from .checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, save_checkpoint
 from .config import TrainConfig, help_text, parse_args
 from .evaluate import estimate_loss, exact_loss
-from .optim import configure_optimizer, lr_at
+from .optim import configure_optimizer, lr_at, set_lr
 from .runtime import autocast_context, peak_flops, peak_memory_mb, resolve_device, resolve_dtype, run_facts
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "resolve_dtype",
     "run_facts",
     "save_checkpoint",
+    "set_lr",
 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from model import GPTConfig
-from model.gpt import ATTN_BACKENDS
+from model.gpt import ATTN_BACKENDS, MLP_ACTS, NORMS, POS_EMBS
 
 ATTENTION_PROMPT_CHARS = 32  # default attention prompt: 32 x 32 cells per head stay readable
 
@@ -43,6 +43,14 @@ class TrainConfig:
     dropout: float = _f(0.2, "dropout probability (embeddings, attention weights, residuals)")
     bias: bool = _f(False, "biases in Linear and LayerNorm layers")
     attn_backend: str = _f("manual", "attention implementation: from scratch, or PyTorch's fused kernel", ATTN_BACKENDS)
+    # later techniques (see model/gpt.py and benchmarks/RESULTS.md); the defaults are nanoGPT's
+    pos_emb: str = _f("learned", "position information: a learned table, or rotary q/k (rope)", POS_EMBS)
+    norm: str = _f("layernorm", "normalisation layers", NORMS)
+    mlp_act: str = _f("gelu", "MLP activation: GELU, or relu(x)^2", MLP_ACTS)
+    qk_norm: bool = _f(False, "RMS-normalise queries and keys per head")
+    tie_embeddings: bool = _f(True, "share the token embedding and LM head matrix")
+    zero_init_proj: bool = _f(False, "initialise residual output projections to zero")
+    logit_softcap: float = _f(0.0, "soft cap on logits, cap * tanh(logits / cap) (0 = off)")
     # optimisation
     batch_size: int = _f(64, "sequences per micro-batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
@@ -52,6 +60,13 @@ class TrainConfig:
     warmup_iters: int = _f(100, "steps of linear warmup")
     lr_decay_iters: int = _f(5000, "step at which the cosine decay reaches min_lr")
     weight_decay: float = _f(0.1, "AdamW weight decay (2-D weights only)")
+    optimizer: str = _f("adamw", "AdamW for everything, or Muon for the blocks' matrices + AdamW for the rest",
+                        ("adamw", "muon"))
+    muon_lr: float = _f(0.02, "Muon's peak learning rate (scheduled like learning_rate)")
+    muon_momentum: float = _f(0.95, "Muon's momentum")
+    lr_schedule: str = _f("cosine", "warmup then cosine to min_lr, or wsd: warmup, stable, linear cooldown",
+                          ("cosine", "wsd"))
+    cooldown_frac: float = _f(0.3, "wsd only: the last fraction of lr_decay_iters spent decaying to min_lr")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.99, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the gradient norm to this (0 = off)")
@@ -95,11 +110,14 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"config field {name} must be > 0, got {getattr(self, name)!r}")
         for name in ("min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "peak_tflops",
-                     "sample_tokens"):
+                     "sample_tokens", "logit_softcap", "muon_lr"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config field {name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"config field dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("cooldown_frac", "muon_momentum"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"config field {name} must be in [0, 1], got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"config field n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.min_lr > self.learning_rate:
@@ -111,7 +129,9 @@ class TrainConfig:
         """The architecture this config describes, for a corpus with vocab_size symbols."""
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
                          n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout, bias=self.bias,
-                         attn_backend=self.attn_backend)
+                         attn_backend=self.attn_backend, pos_emb=self.pos_emb, norm=self.norm,
+                         mlp_act=self.mlp_act, qk_norm=self.qk_norm, tie_embeddings=self.tie_embeddings,
+                         zero_init_proj=self.zero_init_proj, logit_softcap=self.logit_softcap)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
