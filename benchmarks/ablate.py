@@ -1,0 +1,99 @@
+"""Ablations at a fixed wall-clock training budget: one change at a time, several seeds.
+
+    python benchmarks/ablate.py PLAN.toml --dataset=PATH [--seeds=1,2] [--out=FILE.jsonl] [--only=NAME,...]
+
+A plan names a base config, a training budget in seconds and the variants (config overrides):
+
+    base = "configs/shakespeare_char_cpu.toml"
+    budget_seconds = 16.0
+    [[variant]]
+    name = "baseline"
+    [[variant]]
+    name = "+muon"
+    overrides = { optimizer = "muon" }
+
+Each variant is first timed (a short run, median ms/step), and the budget becomes its number of
+steps: steps = budget / (ms/step), with the lr schedule spread over exactly those steps. Then each
+seed trains in a fresh process and the exact val loss is recorded. Converting time to steps once
+keeps the loss figures deterministic (a busy machine changes timings, not losses); the timing run
+should be done on a quiet machine. Every run appends one JSON line to --out.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _args(overrides: dict) -> list[str]:
+    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
+
+
+def run_train(base: str, overrides: dict, out_dir: Path) -> tuple[dict, float]:
+    """Train in a fresh process; returns (summary.json, whole-process wall seconds)."""
+    cmd = [sys.executable, "train.py", base, *_args(overrides), f"--out_dir={out_dir}", "--tensorboard=false"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return json.loads((out_dir / "summary.json").read_text()), wall
+
+
+def ms_per_step(base: str, overrides: dict, dataset: str, tmp: Path, steps: int = 80) -> float:
+    """Median ms per training step of a variant, from a short run with a log line every step."""
+    timing = {**overrides, "dataset": dataset, "max_iters": steps, "lr_decay_iters": steps, "log_interval": 1,
+              "eval_interval": steps, "eval_iters": 1, "exact_val": False}
+    summary, _ = run_train(base, timing, tmp / "timing")
+    return summary["ms_per_step_median"]
+
+
+def main(argv: list[str]) -> int:
+    opts = {"--dataset": None, "--seeds": "1,2", "--out": "benchmarks/ablations.jsonl", "--only": None}
+    plan_path = None
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if key in opts and eq:
+            opts[key] = value
+        elif plan_path is None and not arg.startswith("--"):
+            plan_path = arg
+        else:
+            raise SystemExit(f"unexpected argument {arg!r}\n{__doc__}")
+    if plan_path is None or opts["--dataset"] is None:
+        raise SystemExit(__doc__)
+    plan = tomllib.loads(Path(plan_path).read_text())
+    seeds = [int(s) for s in opts["--seeds"].split(",")]
+    only = set(opts["--only"].split(",")) if opts["--only"] else None
+    out = Path(opts["--out"])
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for variant in plan["variant"]:
+            if only and variant["name"] not in only:
+                continue
+            overrides = {**plan.get("overrides", {}), **variant.get("overrides", {})}
+            ms = ms_per_step(plan["base"], overrides, opts["--dataset"], tmp)
+            steps = variant.get("steps") or int(plan["budget_seconds"] * 1000 / ms)
+            for seed in seeds:
+                run = {**overrides, "dataset": opts["--dataset"], "seed": seed, "max_iters": steps,
+                       "lr_decay_iters": steps, "eval_interval": steps, "log_interval": max(1, steps // 10)}
+                summary, wall = run_train(plan["base"], run, tmp / f"run-{seed}")
+                row = {"name": variant["name"], "seed": seed, "overrides": overrides, "steps": steps,
+                       "ms_per_step_timing_run": ms, "final_val_loss": summary["final_val_loss"],
+                       "train_seconds": summary["train_seconds"], "wall_seconds": wall,
+                       "tokens_per_second": summary["tokens_per_second"], "params": summary["params"],
+                       "time": time.strftime("%Y-%m-%d %H:%M")}
+                print(json.dumps(row), flush=True)
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
