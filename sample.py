@@ -11,9 +11,11 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
+from data.sources import decode_utf8
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
 
 
@@ -37,17 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def sample(args: argparse.Namespace, out=sys.stdout) -> list[str]:
-    """Generate args.num_samples continuations, streaming them to `out`; returns the full texts."""
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
+def sample(args: argparse.Namespace, out: TextIO | None = None) -> list[str]:
+    """Generate args.num_samples continuations, streaming them to `out` (default: the current
+    sys.stdout, looked up at call time so redirections apply); returns the full texts.
+
+    Raises:
+        ValueError: a bad option, checkpoint or prompt, before any text is generated.
+    """
+    check_args(args)
+    out = out or sys.stdout
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.ckpt or Path(args.out_dir) / CKPT_NAME, map_location=device)
     model, tok = model_from_checkpoint(ckpt, device, dropout=0.0)
     model.eval()
-    prompt = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else args.prompt
+    prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
     if not prompt:
         raise ValueError("the prompt is empty; give at least one character")
     try:
@@ -74,6 +79,32 @@ def sample(args: argparse.Namespace, out=sys.stdout) -> list[str]:
     print(f"[{n_tokens} tokens in {dt:.2f} s, {n_tokens / max(dt, 1e-9):,.0f} tokens/s on {device}]",
           file=sys.stderr)
     return texts
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse option values generation would only trip over later, after the prompt was printed.
+
+    A prompt longer than the model's block_size is fine: generation reads the last block_size tokens.
+    """
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top_k must be >= 0 (0 = all tokens), got {args.top_k}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top_p must be in (0, 1] (1 = off), got {args.top_p}")
+
+
+def read_prompt(path: str) -> str:
+    """The prompt file as text; errors name the file (and the byte offset of non-UTF-8 input)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"--prompt_file: cannot read {path}: {e.strerror or e}") from None
+    return decode_utf8(raw, path)
 
 
 def main(argv: list[str] | None = None) -> int:

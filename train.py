@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data import get_batch, load_corpus
+from data import check_split_sizes, get_batch, load_corpus
 from model import GPT
 from training import (
     CKPT_NAME,
     TrainConfig,
     autocast_context,
+    check_resumable,
     configure_optimizer,
     estimate_loss,
     exact_loss,
@@ -38,8 +39,6 @@ from training import (
 )
 from training.monitor import RunLog
 
-SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
-
 
 def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
     """Run one training job as cfg describes; returns the summary also written to summary.json."""
@@ -54,12 +53,14 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     out_dir = Path(cfg.out_dir)
     ckpt_path = out_dir / CKPT_NAME
 
-    # --- data: encoded once, cached; both splits live on the training device as int64 ---------
+    # --- every check that can fail, before anything is written to out_dir ---------------------
+    ckpt = load_checkpoint(ckpt_path, map_location=device) if cfg.resume else None
     corpus = load_corpus(cfg.dataset, cfg.cache_dir, cfg.split or None, cfg.text_column or None)
-    for name, split in (("train", corpus.train), ("val", corpus.val)):
-        if len(split) < cfg.block_size + 1:
-            raise ValueError(f"the {name} split of {corpus.name} has {len(split)} tokens; block_size="
-                             f"{cfg.block_size} needs at least {cfg.block_size + 1}")
+    check_split_sizes(corpus, cfg.block_size)
+    if ckpt is not None:
+        check_resumable(ckpt, cfg.model_config(corpus.tokenizer.vocab_size), corpus.tokenizer)
+
+    # --- data: encoded once, cached; both splits live on the training device as int64 ---------
     train_data = torch.from_numpy(corpus.train.astype(np.int64)).to(device)
     val_data = torch.from_numpy(corpus.val.astype(np.int64)).to(device)
     vocab_size = corpus.tokenizer.vocab_size
@@ -67,9 +68,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     # --- model, optimizer, and (on --resume) the state to continue from ----------------------
     torch.manual_seed(cfg.seed)
     batch_gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    ckpt = load_checkpoint(ckpt_path, map_location=device) if cfg.resume else None
     if ckpt is not None:
-        _check_resumable(ckpt, cfg, vocab_size, corpus.tokenizer.to_dict())
         model, _ = model_from_checkpoint(ckpt, device, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
     else:
         model = GPT(cfg.model_config(vocab_size)).to(device)
@@ -187,18 +186,6 @@ def _rng_state(batch_gen: torch.Generator, device: torch.device) -> dict:
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
-
-
-def _check_resumable(ckpt: dict, cfg: TrainConfig, vocab_size: int, vocab: dict) -> None:
-    """Refuse a checkpoint whose architecture or vocabulary differs from this run's."""
-    want = cfg.model_config(vocab_size).to_dict()
-    diff = [f"{k}: checkpoint {ckpt['model_config'].get(k)!r} vs config {want[k]!r}"
-            for k in SHAPE_FIELDS if ckpt["model_config"].get(k) != want[k]]
-    if diff:
-        raise ValueError("cannot resume: the checkpoint's architecture differs: " + "; ".join(diff))
-    if ckpt["vocab"] != vocab:
-        raise ValueError("cannot resume: the checkpoint was trained on a different vocabulary than "
-                         f"{cfg.dataset!r} gives")
 
 
 def main(argv: list[str] | None = None) -> int:
