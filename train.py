@@ -2,8 +2,9 @@
 
     python train.py [CONFIG.toml] [--field=value ...]     (python train.py --help lists the fields)
 
-One function, `train`, reads top to bottom: set-up, then per step lr -> eval/checkpoint ->
-forward/backward/update -> log, then the exact validation loss and summary.json.
+One function, `_train`, reads top to bottom: checks and set-up, then per step lr -> eval/checkpoint ->
+forward/backward/update -> log, then the exact validation loss and summary.json. `train` wraps it
+with what must be undone however it ends: the signal handlers.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data import check_split_sizes, get_batch, load_corpus
+from data import Corpus, check_split_sizes, get_batch, load_corpus
 from model import GPT
 from training import (
     CKPT_NAME,
@@ -32,16 +33,30 @@ from training import (
     lr_at,
     model_from_checkpoint,
     parse_args,
+    remove_partial_saves,
     resolve_device,
     resolve_dtype,
     run_facts,
     save_checkpoint,
 )
+from training.faults import RunGuard, exit_code, signal_name
 from training.monitor import RunLog
 
 
 def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
-    """Run one training job as cfg describes; returns the summary also written to summary.json."""
+    """Run one training job as cfg describes; returns the summary also written to summary.json.
+
+    SIGINT/SIGTERM handlers are installed for the loop only, and the previous ones are back when
+    this returns (training/faults.py).
+    """
+    guard = RunGuard(resolve_device(cfg.device), Path(cfg.out_dir) / CKPT_NAME, announce=verbose)
+    try:
+        return _train(cfg, argv, verbose, guard)
+    finally:
+        guard.disarm()
+
+
+def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, guard: RunGuard) -> dict:
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -84,10 +99,11 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), device)
     fwd = torch.compile(model) if use_compile else model  # checkpoints always come from `model`
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     facts = {"config": cfg.to_dict(), "run": run_facts(argv or []), "device": str(device),
              "dtype": str(dtype).removeprefix("torch."), "compile": use_compile,
              "params": model.num_params(), "vocab_size": vocab_size, "corpus": corpus.name}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    remove_partial_saves(ckpt_path)  # temporary files of saves that a killed run left behind
     (out_dir / "config.json").write_text(json.dumps(facts, indent=2))
     log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose)
     log.line(f"config: {json.dumps(cfg.to_dict())}")
@@ -100,13 +116,16 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     splits = {"train": train_data, "val": val_data}
     train_seconds, steps_done, last_val = 0.0, 0, math.nan
     t_mark = time.perf_counter()
+    guard.arm()  # from here SIGINT/SIGTERM stop the run at the end of a step
+    stop_signal = None
     for step in range(start_step, cfg.max_iters + 1):
         last_step = step == cfg.max_iters
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        resumed_here = ckpt is not None and step == start_step  # already evaluated before saving
+        # already evaluated before saving (an interrupted run saved without evaluating)
+        resumed_here = ckpt is not None and step == start_step and "interrupted" not in ckpt
         if (step % cfg.eval_interval == 0 or last_step) and not resumed_here:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -119,12 +138,9 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             if losses["val"] < best_val or cfg.always_save_checkpoint:
                 best_val = min(best_val, losses["val"])
                 if step > 0:
-                    save_checkpoint(ckpt_path, {
-                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "model_config": model.config.to_dict(), "config": cfg.to_dict(),
-                        "vocab": corpus.tokenizer.to_dict(), "step": step, "best_val_loss": best_val,
-                        "rng": _rng_state(batch_gen, device),
-                    })
+                    guard.check_before_save(model)  # never a model from a non-finite loss on
+                    save_checkpoint(ckpt_path, _checkpoint_state(model, optimizer, cfg, corpus, step, best_val,
+                                                                 batch_gen, device))
             t_mark = time.perf_counter()
         if last_step:
             break
@@ -134,6 +150,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             with autocast:
                 _, loss = fwd(x, y)
             scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
+            guard.observe(loss, step)  # device-side: no sync
         if cfg.grad_clip > 0:
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -143,11 +160,10 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         steps_done += 1
         log.advance()
 
-        if step % cfg.log_interval == 0 or step == cfg.max_iters - 1:
+        log_step = step % cfg.log_interval == 0 or step == cfg.max_iters - 1
+        stop_signal = guard.poll(step, sync=log_step)  # raises on a non-finite loss since the last check
+        if log_step:
             loss_f = loss.item()  # the only sync of a training step, and only on log steps
-            if not math.isfinite(loss_f):
-                raise FloatingPointError(f"loss is {loss_f} at step {step}; stopping (the last "
-                                         f"checkpoint in {out_dir} is untouched)")
             elapsed = train_seconds + time.perf_counter() - t_mark
             tok_s = steps_done * tokens_per_step / max(elapsed, 1e-9)
             ms = 1000 * elapsed / steps_done
@@ -156,10 +172,22 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             if cfg.grad_clip > 0:
                 scalars["grad_norm"] = grad_norm.item()
             log.scalars(step, scalars)
+        if stop_signal is not None:
+            break
+
+    # --- stopped by a signal: save the state --resume continues from, skip the exact val ------
+    interrupted = signal_name(stop_signal) if stop_signal is not None else None
+    if interrupted:
+        train_seconds += time.perf_counter() - t_mark
+        guard.check_before_save(model)
+        save_checkpoint(ckpt_path, {**_checkpoint_state(model, optimizer, cfg, corpus, step + 1, best_val,
+                                                        batch_gen, device), "interrupted": interrupted})
+        log.line(f"interrupted by {interrupted} after step {step}: saved {ckpt_path} at step {step + 1}; "
+                 "run the same command with --resume to continue")
 
     # --- the exact val loss over the whole split, and the summary -----------------------------
     final_val = exact_loss(model, val_data, cfg.block_size, cfg.batch_size, device, autocast) \
-        if cfg.exact_val else None
+        if cfg.exact_val and not interrupted else None
     if final_val is not None:
         log.line(f"exact val loss over all {len(val_data) - 1:,} val targets: {final_val:.4f}")
         log.scalars(cfg.max_iters, {"val/loss_exact": final_val})
@@ -167,13 +195,14 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         "best_val_loss": best_val,
         "final_val_loss": final_val,
         "last_val_estimate": last_val,
-        "steps": cfg.max_iters,
+        "steps": step + 1 if interrupted else cfg.max_iters,
         "steps_this_run": steps_done,
         "train_seconds": train_seconds,
         "tokens_per_second": steps_done * tokens_per_step / train_seconds if train_seconds > 0 else None,
         "wall_seconds": time.perf_counter() - t_start,
         "params": model.num_params(),
         "device": str(device),
+        "interrupted": interrupted,  # the signal that stopped the run early, or None
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.line(f"summary: {json.dumps(summary)}")
@@ -188,6 +217,15 @@ def _rng_state(batch_gen: torch.Generator, device: torch.device) -> dict:
     return state
 
 
+def _checkpoint_state(model: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig, corpus: Corpus, step: int,
+                      best_val: float, batch_gen: torch.Generator, device: torch.device) -> dict:
+    """What --resume needs to continue from `step` (the number of optimizer steps taken)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "model_config": model.config.to_dict(), "config": cfg.to_dict(),
+            "vocab": corpus.tokenizer.to_dict(), "step": step, "best_val_loss": best_val,
+            "rng": _rng_state(batch_gen, device)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
@@ -195,11 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg, _ = parse_args(argv)
-        train(cfg, argv)
-    except (ValueError, FloatingPointError, ConnectionError, ImportError) as e:
+        summary = train(cfg, argv)
+    except (ValueError, FloatingPointError, ConnectionError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0
+    except KeyboardInterrupt:  # a Ctrl-C during set-up, or a second one during the loop
+        print("interrupted: exited at once without saving; the last checkpoint is as it was", file=sys.stderr)
+        return exit_code("SIGINT")
+    return exit_code(summary["interrupted"]) if summary["interrupted"] else 0
 
 
 if __name__ == "__main__":
