@@ -4,13 +4,16 @@
 
 One function, `_train`, reads top to bottom: checks and set-up, then per step lr -> eval/checkpoint ->
 forward/backward/update -> log, then the exact validation loss and summary.json. `train` wraps it
-with what must be undone however it ends: the signal handlers.
+with what must be undone however it ends: the torchrun process group and the signal handlers.
+
+    torchrun --nproc_per_node=N train.py CONFIG [--field=value ...]     (DistributedDataParallel)
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,11 +37,11 @@ from training import (
     model_from_checkpoint,
     parse_args,
     remove_partial_saves,
-    resolve_device,
     resolve_dtype,
     run_facts,
     save_checkpoint,
 )
+from training.distributed import Dist, close_distributed, init_distributed
 from training.faults import RunGuard, exit_code, signal_name
 from training.monitor import RunLog
 
@@ -46,19 +49,23 @@ from training.monitor import RunLog
 def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
     """Run one training job as cfg describes; returns the summary also written to summary.json.
 
-    SIGINT/SIGTERM handlers are installed for the loop only, and the previous ones are back when
-    this returns (training/faults.py).
+    Under torchrun this process is one rank of a DistributedDataParallel job (training/distributed.py);
+    a plain run never creates a process group. SIGINT/SIGTERM handlers are installed for the loop
+    only, and the previous ones are back when this returns (training/faults.py).
     """
-    guard = RunGuard(resolve_device(cfg.device), Path(cfg.out_dir) / CKPT_NAME, announce=verbose)
+    dist = init_distributed(os.environ, cfg.device)
+    guard = RunGuard(dist.device, Path(cfg.out_dir) / CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
     try:
-        return _train(cfg, argv, verbose, guard)
+        return _train(cfg, argv, verbose, dist, guard)
     finally:
         guard.disarm()
+        close_distributed(dist)
 
 
-def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, guard: RunGuard) -> dict:
+def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, guard: RunGuard) -> dict:
     t_start = time.perf_counter()
-    device = resolve_device(cfg.device)
+    device = dist.device
+    micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank; the global batch stays
     dtype = resolve_dtype(cfg.dtype, device)
     autocast = autocast_context(device, dtype)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
@@ -70,7 +77,8 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, guard: RunGu
 
     # --- every check that can fail, before anything is written to out_dir ---------------------
     ckpt = load_checkpoint(ckpt_path, map_location=device) if cfg.resume else None
-    corpus = load_corpus(cfg.dataset, cfg.cache_dir, cfg.split or None, cfg.text_column or None)
+    with dist.rank_zero_first():  # rank 0 fills the encoded cache; the other ranks then read it
+        corpus = load_corpus(cfg.dataset, cfg.cache_dir, cfg.split or None, cfg.text_column or None)
     check_split_sizes(corpus, cfg.block_size)
     if ckpt is not None:
         check_resumable(ckpt, cfg.model_config(corpus.tokenizer.vocab_size), corpus.tokenizer)
@@ -97,19 +105,26 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, guard: RunGu
         batch_gen.set_state(ckpt["rng"]["batch"].cpu())
         if device.type == "cuda" and "cuda" in ckpt["rng"]:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), device)
+    if not dist.is_main:  # a checkpoint holds rank 0's streams: the others draw their own batches and dropout
+        torch.manual_seed(dist.seed(cfg.seed, start_step))
+        batch_gen.manual_seed(dist.seed(cfg.seed, start_step))
     fwd = torch.compile(model) if use_compile else model  # checkpoints always come from `model`
+    ddp_fwd = dist.wrap(fwd)  # under torchrun: DDP, which averages the gradients across ranks
 
     facts = {"config": cfg.to_dict(), "run": run_facts(argv or []), "device": str(device),
              "dtype": str(dtype).removeprefix("torch."), "compile": use_compile,
-             "params": model.num_params(), "vocab_size": vocab_size, "corpus": corpus.name}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    remove_partial_saves(ckpt_path)  # temporary files of saves that a killed run left behind
-    (out_dir / "config.json").write_text(json.dumps(facts, indent=2))
-    log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose)
+             "params": model.num_params(), "vocab_size": vocab_size, "corpus": corpus.name,
+             "world_size": dist.world_size}
+    if dist.is_main:  # only rank 0 writes files
+        out_dir.mkdir(parents=True, exist_ok=True)
+        remove_partial_saves(ckpt_path)  # temporary files of saves that a killed run left behind
+        (out_dir / "config.json").write_text(json.dumps(facts, indent=2))
+    log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose and dist.is_main)
     log.line(f"config: {json.dumps(cfg.to_dict())}")
     log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
              f"{vocab_size} symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']}"
-             f"{' compiled' if use_compile else ''}" + (f" | resumed at step {start_step}" if ckpt else ""))
+             f"{' compiled' if use_compile else ''}" + (f" | resumed at step {start_step}" if ckpt else "")
+             + (f" | {dist.world_size} processes" if dist.enabled else ""))
 
     # --- the loop ------------------------------------------------------------------------------
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
@@ -126,7 +141,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, guard: RunGu
 
         # already evaluated before saving (an interrupted run saved without evaluating)
         resumed_here = ckpt is not None and step == start_step and "interrupted" not in ckpt
-        if (step % cfg.eval_interval == 0 or last_step) and not resumed_here:
+        if (step % cfg.eval_interval == 0 or last_step) and not resumed_here and dist.is_main:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             train_seconds += time.perf_counter() - t_mark
@@ -145,11 +160,12 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, guard: RunGu
         if last_step:
             break
 
-        for _ in range(cfg.gradient_accumulation_steps):
+        for micro in range(micro_steps):
             x, y = get_batch(train_data, cfg.batch_size, cfg.block_size, batch_gen, device)
-            with autocast:
-                _, loss = fwd(x, y)
-            scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
+            with dist.sync_gradients(ddp_fwd, last_micro_step=micro == micro_steps - 1):
+                with autocast:
+                    _, loss = ddp_fwd(x, y)
+                scaler.scale(loss / micro_steps).backward()
             guard.observe(loss, step)  # device-side: no sync
         if cfg.grad_clip > 0:
             scaler.unscale_(optimizer)
@@ -177,7 +193,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, guard: RunGu
 
     # --- stopped by a signal: save the state --resume continues from, skip the exact val ------
     interrupted = signal_name(stop_signal) if stop_signal is not None else None
-    if interrupted:
+    if interrupted and dist.is_main:
         train_seconds += time.perf_counter() - t_mark
         guard.check_before_save(model)
         save_checkpoint(ckpt_path, {**_checkpoint_state(model, optimizer, cfg, corpus, step + 1, best_val,
@@ -187,7 +203,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, guard: RunGu
 
     # --- the exact val loss over the whole split, and the summary -----------------------------
     final_val = exact_loss(model, val_data, cfg.block_size, cfg.batch_size, device, autocast) \
-        if cfg.exact_val and not interrupted else None
+        if cfg.exact_val and not interrupted and dist.is_main else None
     if final_val is not None:
         log.line(f"exact val loss over all {len(val_data) - 1:,} val targets: {final_val:.4f}")
         log.scalars(cfg.max_iters, {"val/loss_exact": final_val})
@@ -202,9 +218,11 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, guard: RunGu
         "wall_seconds": time.perf_counter() - t_start,
         "params": model.num_params(),
         "device": str(device),
+        "world_size": dist.world_size,
         "interrupted": interrupted,  # the signal that stopped the run early, or None
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if dist.is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.line(f"summary: {json.dumps(summary)}")
     log.close()
     return summary
