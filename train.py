@@ -190,6 +190,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
             log.scalars(step, scalars)
         if stop_signal is not None:
             break
+    guard.disarm()  # past the loop signals act as usual: a Ctrl-C during the saves below exits at once
 
     # --- stopped by a signal: save the state --resume continues from, skip the exact val ------
     interrupted = signal_name(stop_signal) if stop_signal is not None else None

@@ -6,6 +6,7 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts:
     model     state_dict of the uncompiled, unwrapped module (no "_orig_mod." prefixes)
     model_config, config, vocab   plain dicts (GPTConfig, TrainConfig, CharTokenizer)
     optimizer, step, best_val_loss, rng, tb_step   what --resume needs to continue the same run
+    interrupted   the signal name, only in a checkpoint saved when a signal stopped the run
 """
 
 from __future__ import annotations

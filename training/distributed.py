@@ -123,7 +123,10 @@ def init_distributed(env: Mapping[str, str], device_name: str) -> Dist:
         raise ValueError(f"device={device_name!r}: under torchrun each process uses cuda:LOCAL_RANK; "
                          "pass --device=cuda (or auto)")
     if device.type == "mps":
-        raise ValueError("device='mps' cannot run distributed (no NCCL or gloo support); use --device=cpu")
+        if device_name != "auto":
+            raise ValueError("device='mps' cannot run distributed (neither NCCL nor gloo supports it); "
+                             "use --device=cpu")
+        device = torch.device("cpu")  # auto picked MPS, which DDP cannot use: gloo on the CPU instead
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK={local_rank} but this machine has {torch.cuda.device_count()} "

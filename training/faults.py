@@ -1,8 +1,9 @@
 """What may stop a run early, and how it stops safely: SIGINT/SIGTERM, and a loss that is not finite.
 
 A signal is only noted when it arrives; the loop stops at the end of the step it interrupts, so the
-checkpoint saved then is a consistent state that --resume continues from. A second signal of the
-same kind does what it would have done without train(): a second Ctrl-C exits at once.
+checkpoint saved then is a consistent state that --resume continues from. A second stop signal
+does what it would have done without train(): a second Ctrl-C exits at once. train.py disarms the
+handlers when the loop ends, so during the final save the same holds for the first one after it.
 
 A non-finite loss is noticed without a host sync per step (on a GPU `.item()` every step would stall
 the launch queue): each step folds "is this loss finite?" into a device-side tensor holding the first
@@ -142,6 +143,6 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
-def exit_code(signal_name: str) -> int:
-    """The shell's exit status for a process stopped by this signal: 128 + its number (SIGINT: 130)."""
-    return 128 + signal.Signals[signal_name].value
+def exit_code(name: str) -> int:
+    """The shell's exit status for a process stopped by signal `name`: 128 + its number (SIGINT: 130)."""
+    return 128 + signal.Signals[name].value
