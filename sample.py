@@ -13,10 +13,12 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
 from data import CharTokenizer
+from data.sources import decode_utf8
 from model import GPT
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
 from training.visualize import prompt_attention, save_attention_png
@@ -45,16 +47,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse option values generation would only trip over later, after the prompt was printed.
+
+    A prompt longer than the model's block_size is fine: generation reads the last block_size tokens.
+    """
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top_k must be >= 0 (0 = all tokens), got {args.top_k}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top_p must be in (0, 1] (1 = off), got {args.top_p}")
+
+
+def read_prompt(path: str) -> str:
+    """The prompt file as text; errors name the file (and the byte offset of non-UTF-8 input)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"--prompt_file: cannot read {path}: {e.strerror or e}") from None
+    return decode_utf8(raw, path)
+
+
 def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int]]:
     """The checkpoint's model (eval mode, on args.device), its tokenizer, the prompt and its ids."""
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.ckpt or Path(args.out_dir) / CKPT_NAME, map_location=device)
     model, tok = model_from_checkpoint(ckpt, device, dropout=0.0)
     model.eval()
-    try:
-        prompt = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else args.prompt
-    except OSError as e:
-        raise ValueError(f"--prompt_file={args.prompt_file}: {e.strerror}") from None
+    prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
     if not prompt:
         raise ValueError("the prompt is empty; give at least one character")
     try:
@@ -82,19 +107,15 @@ def attention_png(args: argparse.Namespace) -> Path:
     return path
 
 
-def sample(args: argparse.Namespace, out=sys.stdout) -> list[str]:
-    """Generate args.num_samples continuations, streaming them to `out`; returns the full texts."""
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
-    # checked before anything is printed, not at the first token
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k < 0:
-        raise ValueError(f"--top_k must be >= 0 (0 = all tokens), got {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top_p must be in (0, 1] (1 = off), got {args.top_p}")
+def sample(args: argparse.Namespace, out: TextIO | None = None) -> list[str]:
+    """Generate args.num_samples continuations, streaming them to `out` (default: the current
+    sys.stdout, looked up at call time so redirections apply); returns the full texts.
+
+    Raises:
+        ValueError: a bad option, checkpoint or prompt, before any text is generated.
+    """
+    check_args(args)
+    out = out or sys.stdout
     model, tok, prompt, ids = load(args)
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -2,14 +2,18 @@
 
     python train.py [CONFIG.toml] [--field=value ...]     (python train.py --help lists the fields)
 
-One function, `train`, reads top to bottom: set-up, then per step lr -> eval/checkpoint ->
-forward/backward/update -> log, then the exact validation loss and summary.json.
+One function, `_train`, reads top to bottom: checks and set-up, then per step lr -> eval/checkpoint ->
+forward/backward/update -> log, then the exact validation loss and summary.json. `train` wraps it
+with what must be undone however it ends: the torchrun process group and the signal handlers.
+
+    torchrun --nproc_per_node=N train.py CONFIG [--field=value ...]     (DistributedDataParallel)
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,12 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data import get_batch, load_corpus
+from data import Corpus, check_split_sizes, get_batch, load_corpus
 from model import GPT
 from training import (
     CKPT_NAME,
     TrainConfig,
     autocast_context,
+    check_resumable,
     configure_optimizer,
     estimate_loss,
     exact_loss,
@@ -32,21 +37,37 @@ from training import (
     parse_args,
     peak_flops,
     peak_memory_mb,
-    resolve_device,
+    remove_partial_saves,
     resolve_dtype,
     run_facts,
     save_checkpoint,
     set_lr,
 )
+from training.distributed import Dist, close_distributed, init_distributed
+from training.faults import RunGuard, exit_code, signal_name
 from training.monitor import RunLog
-
-SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
 
 
 def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
-    """Run one training job as cfg describes; returns the summary also written to summary.json."""
+    """Run one training job as cfg describes; returns the summary also written to summary.json.
+
+    Under torchrun this process is one rank of a DistributedDataParallel job (training/distributed.py);
+    a plain run never creates a process group. SIGINT/SIGTERM handlers are installed for the loop
+    only, and the previous ones are back when this returns (training/faults.py).
+    """
+    dist = init_distributed(os.environ, cfg.device)
+    guard = RunGuard(dist.device, Path(cfg.out_dir) / CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
+    try:
+        return _train(cfg, argv, verbose, dist, guard)
+    finally:
+        guard.disarm()
+        close_distributed(dist)
+
+
+def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, guard: RunGuard) -> dict:
     t_start = time.perf_counter()
-    device = resolve_device(cfg.device)
+    device = dist.device
+    micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank; the global batch stays
     dtype = resolve_dtype(cfg.dtype, device)
     autocast = autocast_context(device, dtype)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
@@ -56,13 +77,16 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     out_dir = Path(cfg.out_dir)
     ckpt_path = out_dir / CKPT_NAME
 
+    # --- every check that can fail, before anything is written to out_dir ---------------------
+    ckpt = load_checkpoint(ckpt_path, map_location=device) if cfg.resume else None
+    with dist.rank_zero_first():  # rank 0 fills the encoded cache; the other ranks then read it
+        corpus = load_corpus(cfg.dataset, cfg.cache_dir, cfg.split or None, cfg.text_column or None)
+    check_split_sizes(corpus, cfg.block_size)
+    if ckpt is not None:
+        check_resumable(ckpt, cfg.model_config(corpus.tokenizer.vocab_size), corpus.tokenizer)
+
     # --- data: encoded once, cached; both splits live on the training device (int32: half the
     # memory of int64; get_batch widens each batch to int64) -----------------------------------
-    corpus = load_corpus(cfg.dataset, cfg.cache_dir, cfg.split or None, cfg.text_column or None)
-    for name, split in (("train", corpus.train), ("val", corpus.val)):
-        if len(split) < cfg.block_size + 1:
-            raise ValueError(f"the {name} split of {corpus.name} has {len(split)} tokens; block_size="
-                             f"{cfg.block_size} needs at least {cfg.block_size + 1}")
     train_data = torch.from_numpy(corpus.train.astype(np.int32)).to(device)
     val_data = torch.from_numpy(corpus.val.astype(np.int32)).to(device)
     vocab_size = corpus.tokenizer.vocab_size
@@ -70,9 +94,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     # --- model, optimizer, and (on --resume) the state to continue from ----------------------
     torch.manual_seed(cfg.seed)
     batch_gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    ckpt = load_checkpoint(ckpt_path, map_location=device) if cfg.resume else None
     if ckpt is not None:
-        _check_resumable(ckpt, cfg, vocab_size, corpus.tokenizer.to_dict())
         model, _ = model_from_checkpoint(ckpt, device, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
     else:
         model = GPT(cfg.model_config(vocab_size)).to(device)
@@ -86,18 +108,26 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         batch_gen.set_state(ckpt["rng"]["batch"].cpu())
         if device.type == "cuda" and "cuda" in ckpt["rng"]:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), device)
+    if not dist.is_main:  # a checkpoint holds rank 0's streams: the others draw their own batches and dropout
+        torch.manual_seed(dist.seed(cfg.seed, start_step))
+        batch_gen.manual_seed(dist.seed(cfg.seed, start_step))
     fwd = torch.compile(model) if use_compile else model  # checkpoints always come from `model`
+    ddp_fwd = dist.wrap(fwd)  # under torchrun: DDP, which averages the gradients across ranks
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     facts = {"config": cfg.to_dict(), "run": run_facts(argv or []), "device": str(device),
              "dtype": str(dtype).removeprefix("torch."), "compile": use_compile,
-             "params": model.num_params(), "vocab_size": vocab_size, "corpus": corpus.name}
-    (out_dir / "config.json").write_text(json.dumps(facts, indent=2))
-    log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose)
+             "params": model.num_params(), "vocab_size": vocab_size, "corpus": corpus.name,
+             "world_size": dist.world_size}
+    if dist.is_main:  # only rank 0 writes files
+        out_dir.mkdir(parents=True, exist_ok=True)
+        remove_partial_saves(ckpt_path)  # temporary files of saves that a killed run left behind
+        (out_dir / "config.json").write_text(json.dumps(facts, indent=2))
+    log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose and dist.is_main)
     log.line(f"config: {json.dumps(cfg.to_dict())}")
     log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
              f"{vocab_size} symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']}"
-             f"{' compiled' if use_compile else ''}" + (f" | resumed at step {start_step}" if ckpt else ""))
+             f"{' compiled' if use_compile else ''}" + (f" | resumed at step {start_step}" if ckpt else "")
+             + (f" | {dist.world_size} processes" if dist.enabled else ""))
 
     # --- the loop ------------------------------------------------------------------------------
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
@@ -106,13 +136,15 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     train_seconds, steps_done, last_val, mfu = 0.0, 0, math.nan, None
     history, interval_ms, last_log = [], [], (0, 0.0)  # evals; ms/step per log interval
     t_mark = time.perf_counter()
+    guard.arm()  # from here SIGINT/SIGTERM stop the run at the end of a step
+    stop_signal = None
     for step in range(start_step, cfg.max_iters + 1):
         last_step = step == cfg.max_iters
         lr = set_lr(optimizer, step, cfg)
 
         # a resumed run evaluates its first step again: the same weights and eval seed give the same
         # numbers, and TensorBoard, purged from start_step on, gets that step's points back
-        if step % cfg.eval_interval == 0 or last_step:
+        if (step % cfg.eval_interval == 0 or last_step) and dist.is_main:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             train_seconds += time.perf_counter() - t_mark
@@ -126,22 +158,21 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             log.snapshot(step, model, corpus, cfg)  # text sample and attention maps, from `model`
             if losses["val"] < best_val or cfg.always_save_checkpoint:
                 best_val = min(best_val, losses["val"])
-                if step > 0:
-                    save_checkpoint(ckpt_path, {
-                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "model_config": model.config.to_dict(), "config": cfg.to_dict(),
-                        "vocab": corpus.tokenizer.to_dict(), "step": step, "best_val_loss": best_val,
-                        "rng": _rng_state(batch_gen, device),
-                    })
+                if step > start_step or (step > 0 and ckpt is None):  # never rewrite the state resumed from
+                    guard.check_before_save(model)  # never a model from a non-finite loss on
+                    save_checkpoint(ckpt_path, _checkpoint_state(model, optimizer, cfg, corpus, step, best_val,
+                                                                 batch_gen, device))
             t_mark = time.perf_counter()
         if last_step:
             break
 
-        for _ in range(cfg.gradient_accumulation_steps):
+        for micro in range(micro_steps):
             x, y = get_batch(train_data, cfg.batch_size, cfg.block_size, batch_gen, device)
-            with autocast:
-                _, loss = fwd(x, y)
-            scaler.scale(loss / cfg.gradient_accumulation_steps).backward()
+            with dist.sync_gradients(ddp_fwd, last_micro_step=micro == micro_steps - 1):
+                with autocast:
+                    _, loss = ddp_fwd(x, y)
+                scaler.scale(loss / micro_steps).backward()
+            guard.observe(loss, step)  # device-side: no sync
         if cfg.grad_clip > 0:
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -151,11 +182,10 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         steps_done += 1
         log.advance()
 
-        if step % cfg.log_interval == 0 or step == cfg.max_iters - 1:
+        log_step = step % cfg.log_interval == 0 or step == cfg.max_iters - 1
+        stop_signal = guard.poll(step, sync=log_step)  # raises on a non-finite loss since the last check
+        if log_step:
             loss_f = loss.item()  # the only sync of a training step, and only on log steps
-            if not math.isfinite(loss_f):
-                raise FloatingPointError(f"loss is {loss_f} at step {step}; stopping (the last "
-                                         f"checkpoint in {out_dir} is untouched)")
             elapsed = train_seconds + time.perf_counter() - t_mark
             tok_s = steps_done * tokens_per_step / max(elapsed, 1e-9)
             interval_ms.append(1000 * (elapsed - last_log[1]) / (steps_done - last_log[0]))
@@ -168,10 +198,23 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             if cfg.grad_clip > 0:
                 scalars["grad_norm"] = grad_norm.item()
             log.scalars(step, scalars)
+        if stop_signal is not None:
+            break
+    guard.disarm()  # past the loop signals act as usual: a Ctrl-C during the saves below exits at once
+
+    # --- stopped by a signal: save the state --resume continues from, skip the exact val ------
+    interrupted = signal_name(stop_signal) if stop_signal is not None else None
+    if interrupted and dist.is_main:
+        train_seconds += time.perf_counter() - t_mark
+        guard.check_before_save(model)
+        save_checkpoint(ckpt_path, {**_checkpoint_state(model, optimizer, cfg, corpus, step + 1, best_val,
+                                                        batch_gen, device), "interrupted": interrupted})
+        log.line(f"interrupted by {interrupted} after step {step}: saved {ckpt_path} at step {step + 1}; "
+                 "run the same command with --resume to continue")
 
     # --- the exact val loss over the whole split, and the summary -----------------------------
     final_val = exact_loss(model, val_data, cfg.block_size, cfg.batch_size, device, autocast) \
-        if cfg.exact_val else None
+        if cfg.exact_val and not interrupted and dist.is_main else None
     if final_val is not None:
         log.line(f"exact val loss over all {len(val_data) - 1:,} val targets: {final_val:.4f}")
         log.scalars(cfg.max_iters, {"val/loss_exact": final_val})
@@ -179,7 +222,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         "best_val_loss": best_val,
         "final_val_loss": final_val,
         "last_val_estimate": last_val,
-        "steps": cfg.max_iters,
+        "steps": step + 1 if interrupted else cfg.max_iters,
         "steps_this_run": steps_done,
         "train_seconds": train_seconds,
         "tokens_per_second": steps_done * tokens_per_step / train_seconds if train_seconds > 0 else None,
@@ -189,11 +232,14 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         "params": model.num_params(),
         "device": str(device),
         "peak_memory_mb": peak_memory_mb(device),
+        "world_size": dist.world_size,
+        "interrupted": interrupted,  # the signal that stopped the run early, or None
         "history": history,
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if dist.is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.line("summary: " + json.dumps({k: v for k, v in summary.items() if k != "history"}))
-    log.hparams(cfg.max_iters, cfg.to_dict())
+    log.hparams(step if interrupted else cfg.max_iters, cfg.to_dict())
     log.close()
     return summary
 
@@ -205,16 +251,13 @@ def _rng_state(batch_gen: torch.Generator, device: torch.device) -> dict:
     return state
 
 
-def _check_resumable(ckpt: dict, cfg: TrainConfig, vocab_size: int, vocab: dict) -> None:
-    """Refuse a checkpoint whose architecture or vocabulary differs from this run's."""
-    want = cfg.model_config(vocab_size).to_dict()
-    diff = [f"{k}: checkpoint {ckpt['model_config'].get(k)!r} vs config {want[k]!r}"
-            for k in SHAPE_FIELDS if ckpt["model_config"].get(k) != want[k]]
-    if diff:
-        raise ValueError("cannot resume: the checkpoint's architecture differs: " + "; ".join(diff))
-    if ckpt["vocab"] != vocab:
-        raise ValueError("cannot resume: the checkpoint was trained on a different vocabulary than "
-                         f"{cfg.dataset!r} gives")
+def _checkpoint_state(model: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig, corpus: Corpus, step: int,
+                      best_val: float, batch_gen: torch.Generator, device: torch.device) -> dict:
+    """What --resume needs to continue from `step` (the number of optimizer steps taken)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "model_config": model.config.to_dict(), "config": cfg.to_dict(),
+            "vocab": corpus.tokenizer.to_dict(), "step": step, "best_val_loss": best_val,
+            "rng": _rng_state(batch_gen, device)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,11 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg, _ = parse_args(argv)
-        train(cfg, argv)
-    except (ValueError, FloatingPointError, ConnectionError, ImportError) as e:
+        summary = train(cfg, argv)
+    except (ValueError, FloatingPointError, ConnectionError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0
+    except KeyboardInterrupt:  # a Ctrl-C during set-up, or a second one during the loop
+        print("interrupted: exited at once without saving; the last checkpoint is as it was", file=sys.stderr)
+        return exit_code("SIGINT")
+    return exit_code(summary["interrupted"]) if summary["interrupted"] else 0
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Text -> tokens -> batches: sources, the character tokenizer, the cached corpus and batching."""
 
-from .corpus import Corpus, encode_corpus, eval_windows, get_batch, load_corpus
+from .corpus import Corpus, check_split_sizes, encode_corpus, eval_windows, get_batch, load_corpus
 from .sources import load_source
 from .tokenizer import CharTokenizer
 
 __all__ = [
     "CharTokenizer",
     "Corpus",
+    "check_split_sizes",
     "encode_corpus",
     "eval_windows",
     "get_batch",

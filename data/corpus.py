@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,18 +36,41 @@ class Corpus:
 
 
 def encode_corpus(text: str, name: str) -> Corpus:
-    """Build the vocabulary from the whole text, encode it, and split 90/10."""
+    """Build the vocabulary from the whole text, encode it, and split 90/10.
+
+    Raises:
+        ValueError: the text is empty, or has more distinct characters than TOKEN_DTYPE holds (checked
+            on the set of characters, before any encoding work).
+    """
     if not text:
         raise ValueError(f"corpus {name} is empty")
-    tok = CharTokenizer.from_text(text)
-    if tok.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
+    chars = set(text)
+    if len(chars) > np.iinfo(TOKEN_DTYPE).max + 1:
         raise ValueError(
-            f"corpus {name} has {tok.vocab_size} distinct characters; the token dtype "
-            f"{np.dtype(TOKEN_DTYPE).name} holds at most {np.iinfo(TOKEN_DTYPE).max + 1}"
+            f"corpus {name} has {len(chars):,} distinct characters; the token dtype "
+            f"{np.dtype(TOKEN_DTYPE).name} holds at most {np.iinfo(TOKEN_DTYPE).max + 1:,}"
         )
+    tok = CharTokenizer(sorted(chars))
     ids = _encode_with_progress(tok, text)
     n_train = int(len(ids) * TRAIN_FRACTION)
     return Corpus(ids[:n_train], ids[n_train:], tok, name)
+
+
+def check_split_sizes(corpus: Corpus, block_size: int) -> None:
+    """Both splits must hold one window of block_size + 1 tokens (inputs plus the next-token target).
+
+    Raises:
+        ValueError: naming the split, its size, what block_size needs, and the two ways out.
+    """
+    for split, data in (("train", corpus.train), ("val", corpus.val)):
+        if len(data) < block_size + 1:
+            fits = min(len(corpus.train), len(corpus.val)) - 1
+            smaller = f"--block_size={fits} or less" if fits >= 1 else "a smaller block_size"
+            raise ValueError(
+                f"the {split} split of {corpus.name} has {len(data):,} tokens; block_size={block_size} "
+                f"needs at least {block_size + 1:,}. Use a longer corpus (val is the last "
+                f"{1 - TRAIN_FRACTION:.0%} of it) or {smaller}"
+            )
 
 
 def _encode_with_progress(tok: CharTokenizer, text: str, chunk: int = 1 << 22) -> np.ndarray:
@@ -80,13 +104,24 @@ def load_corpus(dataset: str, cache_dir: str | os.PathLike = "data_cache", split
             pass  # a damaged cache entry is rebuilt below
     corpus = encode_corpus(src.text, src.name)
     entry.mkdir(parents=True, exist_ok=True)
-    corpus.train.tofile(entry / "train.bin")
-    corpus.val.tofile(entry / "val.bin")
-    # vocab.json last and atomically: its presence marks a complete entry
-    tmp = vocab_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(corpus.tokenizer.to_dict(), ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, vocab_path)
+    # Every file goes through a temporary name of its own and os.replace, so processes filling the
+    # same entry at once (ranks of a torchrun job, two runs sharing cache_dir) never see a torn file.
+    _write_atomic(entry / "train.bin", memoryview(corpus.train))
+    _write_atomic(entry / "val.bin", memoryview(corpus.val))
+    # vocab.json last: its presence marks a complete entry
+    _write_atomic(vocab_path, json.dumps(corpus.tokenizer.to_dict(), ensure_ascii=False).encode("utf-8"))
     return corpus
+
+
+def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def get_batch(

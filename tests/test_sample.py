@@ -100,7 +100,7 @@ def test_prompt_file_is_read_verbatim(ckpt, tmp_path):
     from_file = run(ckpt, f"--prompt_file={path}", "--max_new_tokens=20", "--seed=3")
     assert from_file[0].startswith(PROMPT)
     assert from_file == run(ckpt, f"--prompt={PROMPT}", "--max_new_tokens=20", "--seed=3")
-    with pytest.raises(ValueError, match="--prompt_file=.*missing.txt: No such file"):
+    with pytest.raises(ValueError, match="--prompt_file: cannot read .*missing.txt: No such file"):
         run(ckpt, f"--prompt_file={tmp_path / 'missing.txt'}")
 
 

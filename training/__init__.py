@@ -1,7 +1,15 @@
 """What train.py and sample.py share: the config, optimizer and schedule, evaluation,
-checkpoints, device selection and run logging."""
+checkpoints, device selection and run logging; and, for train.py, fault handling (faults.py) and
+multi-process training under torchrun (distributed.py)."""
 
-from .checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, save_checkpoint
+from .checkpoint import (
+    CKPT_NAME,
+    check_resumable,
+    load_checkpoint,
+    model_from_checkpoint,
+    remove_partial_saves,
+    save_checkpoint,
+)
 from .config import TrainConfig, help_text, parse_args
 from .evaluate import estimate_loss, exact_loss
 from .optim import configure_optimizer, lr_at, set_lr
@@ -11,6 +19,7 @@ __all__ = [
     "CKPT_NAME",
     "TrainConfig",
     "autocast_context",
+    "check_resumable",
     "configure_optimizer",
     "estimate_loss",
     "exact_loss",
@@ -21,6 +30,7 @@ __all__ = [
     "peak_memory_mb",
     "model_from_checkpoint",
     "parse_args",
+    "remove_partial_saves",
     "resolve_device",
     "resolve_dtype",
     "run_facts",

@@ -6,12 +6,15 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts:
     model     state_dict of the uncompiled, unwrapped module (no "_orig_mod." prefixes)
     model_config, config, vocab   plain dicts (GPTConfig, TrainConfig, CharTokenizer)
     optimizer, step, best_val_loss, rng, tb_step   what --resume needs to continue the same run
+    interrupted   the signal name, only in a checkpoint saved when a signal stopped the run
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,8 @@ from model import GPT, GPTConfig
 
 FORMAT = "gpt-char-ckpt/1"
 CKPT_NAME = "ckpt.pt"
+# the GPTConfig fields that fix the weights' shapes: a resumed run must match them
+SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
@@ -29,7 +34,11 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
     The bytes go to a temporary file in the same directory, are flushed and fsync'ed, and only then
     renamed over path (rename is atomic within a filesystem). A crash, a kill or a full disk at any
-    moment leaves either the old checkpoint or the new one, never a torn file.
+    moment leaves either the old checkpoint or the new one, never a torn file. A failed save removes
+    its temporary file; one left by a killed process is removed by remove_partial_saves.
+
+    Raises:
+        OSError: the write failed (e.g. disk full); the message says the previous checkpoint is intact.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -39,8 +48,11 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"could not write checkpoint {path}: {e.strerror or e}; the previous "
+                                   f"checkpoint there (if any) is intact") from e
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -49,21 +61,51 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
         os.close(dir_fd)
 
 
+def remove_partial_saves(path: str | Path) -> list[Path]:
+    """Delete the temporary files that saves of `path` killed mid-write left behind; returns them.
+
+    They are never read (load_checkpoint opens only `path`), so this is tidying, not recovery. Call it
+    only while no other process saves to the same path.
+    """
+    path = Path(path)
+    stale = sorted(path.parent.glob(f".{path.name}.*.tmp"))
+    for tmp in stale:
+        tmp.unlink(missing_ok=True)
+    return stale
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint with weights_only=True (no code in the file can run) and check its shape.
 
+    Before unpickling, every record's CRC-32 in the archive is checked: torch.load itself does not,
+    so a flipped byte in the weights would otherwise load as silently wrong numbers.
+
     Raises:
-        ValueError: the file is missing, truncated, corrupt, holds pickled objects, or is not a
-            checkpoint of this project; the message says which.
+        ValueError: the file or its directory is missing, or it is truncated, corrupt, holds pickled
+            objects, or is not a checkpoint of this project; the message says which.
     """
     path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"no checkpoint at {path}: the directory {path.parent} does not exist "
+                         "(train a model there first, or point --out_dir at a finished run)")
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}")
     try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ValueError(f"{path} is not a checkpoint: not a complete PyTorch archive (truncated, or "
+                         f"another kind of file): {e}") from None
+    if bad is not None:
+        raise ValueError(f"{path} is corrupt: record {bad!r} fails its CRC-32 check (the file changed "
+                         "after it was written); use another checkpoint")
+    try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises several types for truncated/corrupt/unsafe files
-        raise ValueError(f"{path} is not a loadable checkpoint (truncated, corrupt, or it holds "
-                         f"objects other than plain data): {type(e).__name__}: {e}") from None
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds pickled objects other than tensors and plain data; refused, "
+                         f"since loading them could run code: {str(e).splitlines()[-1]}") from None
+    except Exception as e:  # torch raises several types for damaged archives
+        raise ValueError(f"{path} is not a loadable checkpoint (corrupt): {type(e).__name__}: {e}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path} is not a checkpoint written by this project (format {FORMAT})")
     for key in ("model", "model_config", "config", "vocab", "step"):
@@ -75,9 +117,16 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cpu",
                           **overrides: Any) -> tuple[GPT, CharTokenizer]:
     """Rebuild the model and tokenizer a checkpoint describes; overrides replace GPTConfig fields
-    that do not change the weights' shapes (e.g. attn_backend, dropout)."""
+    that do not change the weights' shapes (e.g. attn_backend, dropout).
+
+    Raises:
+        ValueError: the checkpoint contradicts itself (its vocabulary, config and weights disagree).
+    """
     tok = CharTokenizer.from_dict(ckpt["vocab"])
-    cfg = GPTConfig(**{**ckpt["model_config"], **overrides})
+    try:
+        cfg = GPTConfig(**{**ckpt["model_config"], **overrides})
+    except TypeError as e:  # a key GPTConfig does not have
+        raise ValueError(f"checkpoint model_config does not describe a GPT: {e}") from None
     if cfg.vocab_size != tok.vocab_size:
         raise ValueError(f"checkpoint vocab_size {cfg.vocab_size} != its vocabulary's {tok.vocab_size}")
     model = GPT(cfg)
@@ -86,3 +135,32 @@ def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cp
     except RuntimeError as e:
         raise ValueError(f"checkpoint weights do not match its architecture: {e}") from None
     return model.to(device), tok
+
+
+def check_resumable(ckpt: dict[str, Any], want: GPTConfig, vocab: CharTokenizer) -> None:
+    """Refuse to resume from a checkpoint whose architecture or vocabulary differs from this run's.
+
+    Fields that do not change the weights (dropout, attn_backend) may differ.
+
+    Raises:
+        ValueError: naming each differing field, or the characters only one vocabulary has.
+    """
+    have, want_d = ckpt["model_config"], want.to_dict()
+    diff = [f"{k}: checkpoint {have.get(k)!r} vs config {want_d[k]!r}" for k in SHAPE_FIELDS
+            if have.get(k) != want_d[k]]
+    if diff:
+        raise ValueError("cannot resume: the checkpoint's architecture differs: " + "; ".join(diff))
+    theirs = CharTokenizer.from_dict(ckpt["vocab"])
+    if theirs != vocab:
+        only_ckpt = sorted(set(theirs.chars) - set(vocab.chars))
+        only_here = sorted(set(vocab.chars) - set(theirs.chars))
+        raise ValueError(
+            f"cannot resume: the checkpoint was trained on another vocabulary ({theirs.vocab_size} symbols; "
+            f"this corpus has {vocab.vocab_size}); only in the checkpoint: {_show(only_ckpt)}; only in the "
+            f"corpus: {_show(only_here)}. Resume with the dataset it was trained on, or drop --resume"
+        )
+
+
+def _show(chars: list[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(c) for c in chars[:limit])
+    return (shown + f", ... ({len(chars)} in all)" if len(chars) > limit else shown) or "none"
