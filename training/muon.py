@@ -13,32 +13,39 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .optim import ParamGroupOptimizer, adamw_update
+
 # Coefficients of the quintic Newton-Schulz step, chosen (Jordan, 2024) to push every singular
 # value of a normalised matrix quickly into a band around 1, rather than exactly to 1.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalize(G: Tensor, steps: int = 5) -> Tensor:
+def orthogonalize(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Approximate U V^T for G = U S V^T with a few Newton-Schulz iterations (no SVD).
 
+    The iteration only has to land the singular values near 1, so it runs in bfloat16 (as Muon's
+    reference does): twice as fast on CPUs with bf16 matrix units, and on GPUs.
+
     Args:
-        G: (rows, cols) matrix.
+        G: (rows, cols) or a stack (n, rows, cols) of same-shape matrices, orthogonalised each.
         steps: iterations; 5 is enough for training.
+        dtype: precision of the iteration.
     Returns:
-        (rows, cols), singular values roughly in [0.7, 1.2].
+        G's shape and dtype, singular values roughly in [0.7, 1.2].
     """
     a, b, c = NS_COEFFS
-    X = G / (G.norm() + 1e-7)  # singular values now <= 1, where the iteration converges
-    tall = X.size(0) > X.size(1)
+    X = G.to(dtype)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values now <= 1: it converges
+    tall = X.size(-2) > X.size(-1)
     if tall:
-        X = X.T  # iterate on the wide side: X @ X.T is then the smaller Gram matrix
+        X = X.mT  # iterate on the wide side: X @ X^T is then the smaller Gram matrix
     for _ in range(steps):
-        A = X @ X.T
+        A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
-    return X.T if tall else X
+    return (X.mT if tall else X).to(G.dtype)
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(ParamGroupOptimizer):
     """Muon for param groups with use_muon=True, AdamW for the others.
 
     Muon groups: lr, momentum, weight_decay. AdamW groups: lr, betas, eps, weight_decay.
@@ -50,39 +57,34 @@ class Muon(torch.optim.Optimizer):
         for g in groups:
             if g.get("use_muon") and any(p.dim() != 2 for p in g["params"]):
                 raise ValueError("Muon groups take 2-D weight matrices only")
-        super().__init__(groups, dict(lr=lr, momentum=momentum, betas=betas, eps=eps,
+        super().__init__(groups, dict(lr=lr, momentum=momentum, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, use_muon=False))
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self) -> None:
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if group["use_muon"]:
-                    if not state:
-                        state["momentum"] = torch.zeros_like(p)
-                    m = state["momentum"]
-                    m.lerp_(p.grad, 1 - group["momentum"])  # m = beta m + (1 - beta) g
-                    g = p.grad.lerp(m, group["momentum"])  # Nesterov: look one momentum step ahead
-                    update = orthogonalize(g.float()).to(p.dtype)
-                    # a tall matrix's orthogonalised update has smaller entries; rescale to match
-                    scale = max(1.0, p.size(0) / p.size(1)) ** 0.5
-                    p.mul_(1 - lr * wd)
-                    p.add_(update, alpha=-lr * scale)
-                else:
-                    if not state:
-                        state["step"] = 0  # a Python int: reading a tensor step would sync a GPU
-                        state["exp_avg"] = torch.zeros_like(p)
-                        state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["step"] += 1
-                    t = state["step"]
-                    b1, b2 = group["betas"]
-                    state["exp_avg"].lerp_(p.grad, 1 - b1)
-                    state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                    denom = (state["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
-                    p.mul_(1 - lr * wd)
-                    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1 ** t))
-        return None
+            params = [p for p in group["params"] if p.grad is not None]
+            if not group["use_muon"]:
+                adamw_update(params, group, self.state)
+                continue
+            lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+            updates = []
+            for p in params:
+                if p not in self.state:
+                    self.state[p] = {"momentum": torch.zeros_like(p)}
+                m = self.state[p]["momentum"]
+                m.lerp_(p.grad, 1 - beta)  # m = beta m + (1 - beta) g
+                updates.append(p.grad.lerp(m, beta))  # Nesterov: look one momentum step ahead
+            # orthogonalise same-shape matrices as one batch: a few large matmuls, not many small ones
+            by_shape: dict[tuple[int, ...], list[int]] = {}
+            for i, u in enumerate(updates):
+                by_shape.setdefault(tuple(u.shape), []).append(i)
+            for indices in by_shape.values():
+                ortho = orthogonalize(torch.stack([updates[i] for i in indices]))
+                for i, o in zip(indices, ortho, strict=True):
+                    updates[i] = o
+            for p, update in zip(params, updates, strict=True):
+                # a tall matrix's orthogonalised update has smaller entries; rescale to match
+                scale = max(1.0, p.size(0) / p.size(1)) ** 0.5
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr * scale)

@@ -1,14 +1,103 @@
-"""The optimizer and its learning-rate schedule."""
+"""The optimizers (AdamW; Muon in muon.py) and the learning-rate schedule.
+
+The optimizers are small classes of our own rather than torch.optim subclasses: the first use of a
+torch.optim optimizer imports PyTorch's compiler stack (torch._dynamo), which costs about 1 s and
+60 MB of resident memory on a CPU, a good part of a short run. AdamW runs PyTorch's own fused
+kernel, the one torch.optim.AdamW(fused=True) calls, so the update is bit-identical to it
+(tests/test_optim.py); where that kernel is missing, an explicit per-tensor loop does the same.
+"""
 
 from __future__ import annotations
 
-import inspect
 import math
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .config import TrainConfig
+
+FUSED_ADAMW = hasattr(torch, "_fused_adamw_")
+
+
+class ParamGroupOptimizer:
+    """What every optimizer here shares: param groups, per-parameter state, zero_grad, and a
+    state_dict in torch.optim's layout (parameters replaced by their index), so checkpoints hold
+    plain tensors and numbers and load with weights_only=True."""
+
+    def __init__(self, groups: list[dict], defaults: dict[str, Any]) -> None:
+        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
+        self.state: dict[Tensor, dict[str, Any]] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        index: dict[int, int] = {}
+        groups = []
+        for g in self.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [index.setdefault(id(p), len(index)) for p in g["params"]]})
+        return {"state": {index[id(p)]: dict(s) for p, s in self.state.items()}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("optimizer state does not match the model's parameters (group sizes differ)")
+        params = [p for g in self.param_groups for p in g["params"]]
+        for group, old in zip(self.param_groups, saved, strict=True):
+            group.update({k: v for k, v in old.items() if k != "params"})
+        # copies, never the saved tensors themselves: two optimizers must not share moments
+        self.state = {params[int(i)]: {k: v.to(params[int(i)].device, copy=True) if isinstance(v, Tensor) else v
+                                       for k, v in s.items()}
+                      for i, s in state_dict["state"].items()}
+
+
+class AdamW(ParamGroupOptimizer):
+    """Adam with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW computes it."""
+
+    def __init__(self, groups: list[dict], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, fused: bool | None = None) -> None:
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.fused = FUSED_ADAMW if fused is None else fused
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            adamw_update([p for p in group["params"] if p.grad is not None], group, self.state, self.fused)
+
+
+def adamw_update(params: list[Tensor], group: dict, state: dict, fused: bool = FUSED_ADAMW) -> None:
+    """One AdamW step for params (all on one device) with group's lr, betas, eps and weight_decay."""
+    if not params:
+        return
+    for p in params:
+        if p not in state:
+            # float32 step on the parameter's device: the layout the fused kernel reads
+            state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                        "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    steps = [state[p]["step"] for p in params]
+    exp_avgs = [state[p]["exp_avg"] for p in params]
+    exp_avg_sqs = [state[p]["exp_avg_sq"] for p in params]
+    grads = [p.grad for p in params]
+    (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+    torch._foreach_add_(steps, 1)
+    if fused:
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                            weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+        return
+    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
+        t = t.item()
+        p.mul_(1 - lr * wd)  # decoupled decay: shrink the weight, not the gradient
+        m.lerp_(g, 1 - beta1)  # first moment: m = beta1 m + (1 - beta1) g
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # second moment
+        denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)  # bias-corrected RMS of g
+        p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -33,7 +122,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> float:
+def set_lr(optimizer: ParamGroupOptimizer, step: int, cfg: TrainConfig) -> float:
     """Apply the schedule to every param group (each scaled from its own base_lr); returns the
     AdamW learning rate of this step, the one that is logged."""
     lr = lr_at(step, cfg)
@@ -42,12 +131,11 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> flo
     return lr
 
 
-def configure_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
+def configure_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> ParamGroupOptimizer:
     """AdamW with weight decay on 2-D weights (matmuls, embeddings) only, never on biases or norms;
     or, with optimizer = "muon", Muon for the 2-D matrices inside the blocks and AdamW for the rest.
 
-    The fused AdamW (one kernel for all parameters) is used where this PyTorch has it for the
-    device; it computes the same update as the loop implementation.
+    AdamW runs PyTorch's fused kernel (one kernel for all parameters of a group).
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.optimizer == "muon":
@@ -68,6 +156,4 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) ->
     ]
     for g in groups:
         g["base_lr"] = cfg.learning_rate
-    fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             **({"fused": True} if fused else {}))
+    return AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
