@@ -123,21 +123,23 @@ def attention(
     return out, weights
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair of channels (i, i + D/2) of x by its position's angle (rotary embedding).
+def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
+    """Rotate each pair of channels (2i, 2i + 1) of x by its position's angle (rotary embedding).
 
-    A query at position m and a key at position n then score q_m . k_n as a function of m - n only:
-    the scores see relative positions, and no position table is added to the embeddings.
+    A pair read as the complex number x_2i + i x_2i+1 is rotated by multiplying it with e^(i angle):
+    one complex multiply per pair. A query at position m and a key at position n then score
+    q_m . k_n as a function of m - n only: the scores see relative positions, and no position table
+    is added to the embeddings.
 
     Args:
         x: (B, H, T, D) queries or keys.
-        cos, sin: (T, D/2) for the positions of x.
+        freqs: (T, D/2) complex, e^(i * position * frequency) for the positions of x.
     Returns:
-        (B, H, T, D)
+        (B, H, T, D), x's dtype.
     """
-    x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, H, T, D/2)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    pairs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # complex needs fp32/fp64
+    z = torch.view_as_complex(pairs.reshape(*x.shape[:-1], -1, 2))  # (B, H, T, D/2) complex
+    return torch.view_as_real(z * freqs).reshape(x.shape).to(x.dtype)
 
 
 class KVCache:
@@ -188,7 +190,7 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         weights_out: list[Tensor] | None = None,
-        rope: tuple[Tensor, Tensor] | None = None,
+        rope: Tensor | None = None,
     ) -> Tensor:
         """Args:
             x: (B, T, C) input.
@@ -199,7 +201,7 @@ class CausalSelfAttention(nn.Module):
             layer: index of this layer in the cache.
             weights_out: if a list is given, the (B, H, T, Tk) attention weights are appended to it
                 (forces the manual path, which is the only one that materialises them).
-            rope: (cos, sin), each (T, D/2), for rotary positions; None with a learned position table.
+            rope: (T, D/2) complex rotations for rotary positions; None with a learned position table.
         Returns:
             (B, T, C)
         """
@@ -209,7 +211,7 @@ class CausalSelfAttention(nn.Module):
         if self.qk_norm:
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))  # unit RMS per head
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # before caching: cached keys stay rotated
+            q, k = apply_rope(q, rope), apply_rope(k, rope)  # before caching: cached keys stay rotated
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, H, Tk, D) with Tk = cached + T
         p = self.dropout if self.training else 0.0

@@ -123,7 +123,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, allowed: Tensor | None, cache: KVCache | None = None, layer: int = 0,
-                weights_out: list[Tensor] | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                weights_out: list[Tensor] | None = None, rope: Tensor | None = None) -> Tensor:
         """(B, T, C) -> (B, T, C); see CausalSelfAttention.forward for the other arguments."""
         x = x + self.attn(self.ln_1(x), allowed, cache, layer, weights_out, rope)
         x = x + self.mlp(self.ln_2(x))
@@ -146,9 +146,9 @@ class GPT(nn.Module):
             # weight tying: the input embedding and the output projection share one matrix
             self.lm_head.weight = self.tok_emb.weight
         if config.pos_emb == "rope":
-            cos, sin = rope_tables(config.block_size, config.n_embd // config.n_head)
-            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, D/2)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            # (block_size, D/2) complex; not saved: it is a function of the config
+            self.register_buffer("rope_freqs", rope_frequencies(config.block_size, config.n_embd // config.n_head),
+                                 persistent=False)
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
         # variance does not grow with depth (two residual additions per block)
@@ -211,7 +211,7 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))  # + (T, C)
         else:
-            rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])  # 2 x (T, D/2)
+            rope = self.rope_freqs[start:start + T]  # (T, D/2) complex
         x = self.drop(x)
         # (T, Tk), built once per forward. One new query against a cache may read every cached key
         # (all are its past), so decoding steps skip the mask: same numbers, less work per token.
@@ -268,9 +268,10 @@ class GPT(nn.Module):
         """Sample max_new_tokens tokens after idx.
 
         With use_cache, keys and values of earlier positions are kept per layer and each step feeds
-        one token, while the whole sequence fits in block_size. Past block_size the position table
-        slides, so every cached key would change: each step then re-prefills the last block_size
-        tokens, which is exactly the crop-and-recompute reference (use_cache=False), only no faster.
+        one token, while the whole sequence fits in block_size. Past block_size the context window
+        slides, and every cached key was computed in an earlier window (at another position, from
+        other context): each step then re-prefills the last block_size tokens, which is exactly the
+        crop-and-recompute reference (use_cache=False), only no faster.
 
         Args:
             idx: (B, T) prompt token ids, T >= 1.
@@ -326,15 +327,15 @@ class GPT(nn.Module):
         return KVCache(c.n_layer, B, c.n_head, c.block_size, c.n_embd // c.n_head, device, dtype)
 
 
-def rope_tables(block_size: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
-    """cos and sin of the rotary angles: position p turns channel pair i by p * base^(-2i/D).
+def rope_frequencies(block_size: int, head_dim: int, base: float = 10000.0) -> Tensor:
+    """e^(i * p * base^(-2i/D)) for every position p and channel pair i: the rotary rotations.
 
     Returns:
-        cos, sin: (block_size, D/2) each.
+        (block_size, D/2) complex64.
     """
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
     angles = torch.arange(block_size, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
 def sample_next(
