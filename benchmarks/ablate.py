@@ -12,9 +12,10 @@ A plan names a base config, a training budget in seconds and the variants (confi
     name = "+muon"
     overrides = { optimizer = "muon" }
 
-Each variant is first timed (a short run, median ms/step), and the budget becomes its number of
-steps: steps = budget / (ms/step), with the lr schedule spread over exactly those steps. Then each
-seed trains in a fresh process and the exact val loss is recorded. Converting time to steps once
+Each variant is first timed (short runs, median ms/step, variants interleaved over
+timing_rounds rounds), and the budget becomes its number of steps: steps = budget / (ms/step),
+with the lr schedule spread over exactly those steps. Then each seed trains in a fresh process and
+the exact val loss is recorded. Converting time to steps once
 keeps the loss figures deterministic (a busy machine changes timings, not losses); the timing run
 should be done on a quiet machine. Every run appends one JSON line to --out.
 """
@@ -22,6 +23,7 @@ should be done on a quiet machine. Every run appends one JSON line to --out.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,20 +74,27 @@ def main(argv: list[str]) -> int:
     seeds = [int(s) for s in opts["--seeds"].split(",")]
     only = set(opts["--only"].split(",")) if opts["--only"] else None
     out = Path(opts["--out"])
+    variants = [v for v in plan["variant"] if not only or v["name"] in only]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        for variant in plan["variant"]:
-            if only and variant["name"] not in only:
-                continue
+        # time every variant first, in interleaved rounds, and take each one's median: a drift in
+        # the machine's speed then spreads over all variants instead of biasing one
+        timings: dict[str, list[float]] = {v["name"]: [] for v in variants}
+        for _ in range(int(plan.get("timing_rounds", 3))):
+            for variant in variants:
+                overrides = {**plan.get("overrides", {}), **variant.get("overrides", {})}
+                timings[variant["name"]].append(ms_per_step(plan["base"], overrides, opts["--dataset"], tmp))
+        for variant in variants:
             overrides = {**plan.get("overrides", {}), **variant.get("overrides", {})}
-            ms = ms_per_step(plan["base"], overrides, opts["--dataset"], tmp)
+            ms = statistics.median(timings[variant["name"]])
             steps = variant.get("steps") or int(plan["budget_seconds"] * 1000 / ms)
             for seed in seeds:
                 run = {**overrides, "dataset": opts["--dataset"], "seed": seed, "max_iters": steps,
                        "lr_decay_iters": steps, "eval_interval": steps, "log_interval": max(1, steps // 10)}
                 summary, wall = run_train(plan["base"], run, tmp / f"run-{seed}")
                 row = {"name": variant["name"], "seed": seed, "overrides": overrides, "steps": steps,
-                       "ms_per_step_timing_run": ms, "final_val_loss": summary["final_val_loss"],
+                       "ms_per_step_timing_run": ms, "timings": timings[variant["name"]],
+                       "final_val_loss": summary["final_val_loss"],
                        "train_seconds": summary["train_seconds"], "wall_seconds": wall,
                        "tokens_per_second": summary["tokens_per_second"], "params": summary["params"],
                        "time": time.strftime("%Y-%m-%d %H:%M")}

@@ -3,11 +3,13 @@
 # and the KV-cache benchmark, with every figure written as JSON/text to one folder.
 #
 #   SHAKESPEARE=path/to/input.txt bash benchmarks/gpu_check.sh [OUT_DIR]
+#   LONG=1 ...                                        # also the 3-minute best-val run (+4 min)
 #   DRY=1 bash benchmarks/gpu_check.sh [OUT_DIR]      # CPU, small sizes: checks the script works
 #
 # OUT_DIR defaults to $OUT (set by the device tool) or out/gpu_check. Needs PyTorch, numpy, tqdm,
 # tensorboard and pytest; no network (the corpus comes from $SHAKESPEARE, or a synthetic one in
-# dry mode). Budget: under 8 minutes on one H100/H200 (compile ~1 min, 5000 steps, evals).
+# dry mode). Budget: under 8 minutes on one H100/H200 (two compiled runs: the 5000-step baseline
+# and the fast recipe), about 12 with LONG=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-out/gpu_check}}
@@ -20,7 +22,7 @@ step() { echo "== $*" | tee -a "$LOG"; }
 
 if [ "${DRY:-0}" = "1" ]; then
     DEVICE=cpu
-    DATA="$OUT_DIR/dry_corpus.txt"
+    DATA="$(mktemp -d)/dry_corpus.txt"  # outside OUT_DIR: only figures come back
     python - "$DATA" <<'EOF'
 import random, sys
 random.seed(0)
@@ -55,15 +57,23 @@ python -m pytest tests/test_devices.py tests/test_attention.py tests/test_leakag
     > "$OUT_DIR/tests.txt" 2>&1 || status=1
 tail -3 "$OUT_DIR/tests.txt" | tee -a "$LOG"
 
-step "training run: configs/shakespeare_char.toml on $DEVICE"
-if [ -f "$DATA" ]; then
-    python benchmarks/bench.py configs/shakespeare_char.toml --dataset="$DATA" --device="$DEVICE" \
-        --out_dir="$OUT_DIR/run" --cache_dir="$OUT_DIR/cache" --target_val=1.48 \
-        --json="$OUT_DIR/train.json" "${TRAIN_ARGS[@]}" >> "$LOG" 2>&1 || status=1
-    tail -25 "$OUT_DIR/train.json" 2>/dev/null
-else
-    echo "no corpus at $DATA: set SHAKESPEARE=path/to/input.txt" | tee -a "$LOG"
-    status=1
+train_run() {  # CONFIG NAME TARGET: one training run through bench.py, figures to NAME.json
+    step "training run: $1 on $DEVICE"
+    if [ ! -f "$DATA" ]; then
+        echo "no corpus at $DATA: set SHAKESPEARE=path/to/input.txt" | tee -a "$LOG"
+        status=1
+        return
+    fi
+    python benchmarks/bench.py "$1" --dataset="$DATA" --device="$DEVICE" --out_dir="$OUT_DIR/run" \
+        --cache_dir="$OUT_DIR/cache" --target_val="$3" --json="$OUT_DIR/$2.json" "${TRAIN_ARGS[@]}" \
+        >> "$LOG" 2>&1 || status=1
+    grep -E '"(ms_per_step_median|tokens_per_second|train_seconds|mfu|final_val_loss)"' "$OUT_DIR/$2.json" \
+        2>/dev/null | tee -a "$LOG"
+}
+train_run configs/shakespeare_char.toml train 1.48
+train_run configs/shakespeare_char_fast.toml train_fast 1.47
+if [ "${LONG:-0}" = "1" ]; then
+    train_run configs/shakespeare_char_fast_3min.toml train_fast_3min 1.42
 fi
 
 step "KV-cache benchmark on $DEVICE"

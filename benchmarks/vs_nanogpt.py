@@ -1,0 +1,126 @@
+"""Side by side with nanoGPT on this machine: the laptop recipe, alternating runs, one sitting.
+
+    python benchmarks/vs_nanogpt.py --nanogpt=PATH --dataset=PATH/input.txt [--rounds=2] [--json=FILE]
+        [--ours configs/shakespeare_char_cpu.toml configs/shakespeare_char_cpu_fast.toml ...]
+        [--ours_args="--field=value ..."]
+
+PATH is a nanoGPT checkout whose data/shakespeare_char/ has been prepared (its prepare.py, run on
+the same input.txt). Nothing of nanoGPT is part of this project: this script only runs it, with
+the command its README gives for a laptop:
+
+    python train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20
+        --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128
+        --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0
+
+Every program runs as a fresh process, in turn (nanoGPT, then each of our configs, then again), so
+drift in the machine's speed hits all alike. Reported per run: whole-process wall seconds, median ms per
+training step (nanoGPT's per-iteration log lines; our per-step log), peak RSS of the process, and
+the final val loss (nanoGPT's 20-batch estimate at step 2000; ours exact over the whole split, and
+our estimate at step 2000 too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NANOGPT_CMD = ("train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20 "
+               "--log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 "
+               "--max_iters=2000 --lr_decay_iters=2000 --dropout=0.0")
+
+
+def timed(cmd: list[str], cwd: Path, log: Path) -> tuple[float, float, int]:
+    """Run cmd; returns (wall seconds, peak RSS in MB of that process, exit status)."""
+    with open(log, "w") as f:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return wall, usage.ru_maxrss / 1024, proc.returncode
+
+
+def run_nanogpt(path: Path, tmp: Path) -> dict:
+    log = tmp / "nanogpt.log"
+    wall, rss, rc = timed([sys.executable, *NANOGPT_CMD.split(), f"--out_dir={tmp / 'nanogpt_out'}"], path, log)
+    text = log.read_text()
+    if rc != 0:
+        raise RuntimeError(f"nanoGPT failed:\n{text[-2000:]}")
+    iters = [(int(i), float(ms)) for i, ms in re.findall(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", text, re.M)]
+    evals = re.findall(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)", text, re.M)
+    return {"program": "nanoGPT", "wall_seconds": wall, "peak_rss_mb": rss,
+            "ms_per_step_median": statistics.median(ms for i, ms in iters if i >= 10),
+            "val_loss_estimate": float(evals[-1][2]), "final_step": int(evals[-1][0])}
+
+
+def run_ours(config: str, extra: list[str], dataset: str, tmp: Path) -> dict:
+    """One run of train.py on config; the figures from its summary.json."""
+    out = tmp / "ours_out"
+    cmd = [sys.executable, "train.py", config, f"--dataset={dataset}", f"--out_dir={out}",
+           f"--cache_dir={tmp / 'cache'}", *extra]  # as configured: the laptop recipe logs every step
+    wall, rss, rc = timed(cmd, ROOT, tmp / "ours.log")
+    if rc != 0:
+        raise RuntimeError(f"ours failed:\n{(tmp / 'ours.log').read_text()[-2000:]}")
+    s = json.loads((out / "summary.json").read_text())
+    return {"program": f"ours:{config}", "wall_seconds": wall, "peak_rss_mb": rss,
+            "ms_per_step_median": s["ms_per_step_median"], "val_loss_estimate": s["last_val_estimate"],
+            "final_val_loss_exact": s["final_val_loss"], "final_step": s["steps"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nanogpt", required=True, type=Path)
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--ours", nargs="+", default=["configs/shakespeare_char_cpu.toml"])
+    p.add_argument("--ours_args", default="", help="extra --field=value overrides for our run")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        extra = shlex.split(args.ours_args)
+        # warm up: the first process after a while pays for cold file caches
+        run_ours(args.ours[0], extra + ["--max_iters=5", "--exact_val=false"], args.dataset, tmp)
+        for r in range(args.rounds):
+            jobs = [lambda: run_nanogpt(args.nanogpt, tmp)]
+            jobs += [lambda c=c: run_ours(c, extra, args.dataset, tmp) for c in args.ours]
+            for job in jobs:
+                row = {"round": r, **job()}
+                print(json.dumps(row), flush=True)
+                runs.append(row)
+
+    def med(prog: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs if r["program"] == prog)
+
+    summary = {"machine": os.uname().machine, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+               "runs": runs, "nanoGPT": {k: med("nanoGPT", k) for k in ("wall_seconds", "ms_per_step_median",
+                                                                        "peak_rss_mb", "val_loss_estimate")}}
+    for c in args.ours:
+        prog = f"ours:{c}"
+        summary[prog] = {
+            "wall_seconds": med(prog, "wall_seconds"),
+            "wall_ratio_vs_nanogpt": med(prog, "wall_seconds") / med("nanoGPT", "wall_seconds"),
+            "step_throughput_ratio_vs_nanogpt": med("nanoGPT", "ms_per_step_median") / med(prog, "ms_per_step_median"),
+            "ms_per_step_median": med(prog, "ms_per_step_median"),
+            "peak_rss_mb": med(prog, "peak_rss_mb"),
+            "final_val_loss_exact": med(prog, "final_val_loss_exact"),
+        }
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
