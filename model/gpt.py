@@ -1,9 +1,9 @@
 """A decoder-only GPT: token + position embeddings, pre-LayerNorm blocks, tied LM head.
 
-The defaults are GPT-2's (and nanoGPT's) choices. A few later techniques are options, each a
-few lines, for the fast recipes (configs/*_fast.toml; benchmarks/RESULTS.md says what each buys):
-rotary positions, RMSNorm, ReLU², QK normalisation, an untied head, zero-initialised residual
-projections and logit soft-capping.
+The defaults are GPT-2's (and nanoGPT's) choices. Two later techniques are options, each a few
+lines, because they won in the fast recipes' ablation (benchmarks/RESULTS.md): rotary positions
+and QK normalisation. (RMSNorm, ReLU², an untied head, zero-initialised projections and logit
+soft-capping were tried too and did not pay here; RESULTS.md has their figures.)
 
 Shapes use the glossary in model/attention.py (B, T, C, H, D, V).
 """
@@ -22,8 +22,6 @@ from .attention import CausalSelfAttention, KVCache, causal_mask, dropout_layer
 
 ATTN_BACKENDS = ("manual", "sdpa")
 POS_EMBS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm")
-MLP_ACTS = ("gelu", "relu2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,12 +38,7 @@ class GPTConfig:
     attn_backend: str = "manual"  # "manual" (from scratch) or "sdpa" (fused, fast)
     # later techniques, off by default (GPT-2's choices)
     pos_emb: str = "learned"  # "rope": rotate q and k by their position instead of adding a table (RoFormer)
-    norm: str = "layernorm"  # "rmsnorm": scale by the root mean square only, no centring, no bias
-    mlp_act: str = "gelu"  # "relu2": relu(x)^2, cheaper than GELU and as good or better (Primer)
     qk_norm: bool = False  # RMS-normalise q and k per head: attention logits stay bounded at high lr
-    tie_embeddings: bool = True  # False: the LM head gets its own matrix
-    zero_init_proj: bool = False  # residual output projections start at 0: each block starts as identity
-    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap), a smooth bound on confidence
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -58,8 +51,7 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        for name, choices in (("attn_backend", ATTN_BACKENDS), ("pos_emb", POS_EMBS), ("norm", NORMS),
-                              ("mlp_act", MLP_ACTS)):
+        for name, choices in (("attn_backend", ATTN_BACKENDS), ("pos_emb", POS_EMBS)):
             if getattr(self, name) not in choices:
                 raise ValueError(
                     f"GPTConfig.{name}={getattr(self, name)!r} is unknown; choose one of {choices}"
@@ -67,47 +59,23 @@ class GPTConfig:
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"GPTConfig.pos_emb='rope' needs an even head width, got "
                              f"n_embd // n_head = {self.n_embd // self.n_head}")
-        if self.logit_softcap < 0:
-            raise ValueError(f"GPTConfig.logit_softcap must be >= 0, got {self.logit_softcap!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight: LayerNorm without the mean subtraction and the bias."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        """(..., C) -> (..., C)"""
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
-
-
-def make_norm(config: GPTConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.n_embd)
-    return nn.LayerNorm(config.n_embd, bias=config.bias)
-
-
 class MLP(nn.Module):
-    """Position-wise feed-forward: C -> 4C -> GELU (or ReLU²) -> C."""
+    """Position-wise feed-forward: C -> 4C -> GELU -> C."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = dropout_layer(config.dropout)
-        self.relu2 = config.mlp_act == "relu2"
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, C)"""
-        h = self.fc(x)  # (B, T, 4C)
-        h = F.relu(h).square() if self.relu2 else F.gelu(h)
-        return self.dropout(self.proj(h))
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
 class Block(nn.Module):
@@ -115,11 +83,11 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = make_norm(config)
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(
             config.n_embd, config.n_head, config.dropout, config.bias, config.attn_backend, config.qk_norm
         )
-        self.ln_2 = make_norm(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, allowed: Tensor | None, cache: KVCache | None = None, layer: int = 0,
@@ -140,11 +108,10 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
         self.drop = dropout_layer(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.ln_f = make_norm(config)
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            # weight tying: the input embedding and the output projection share one matrix
-            self.lm_head.weight = self.tok_emb.weight
+        # weight tying: the input embedding and the output projection share one matrix
+        self.lm_head.weight = self.tok_emb.weight
         if config.pos_emb == "rope":
             # (block_size, D/2) complex; not saved: it is a function of the config
             self.register_buffer("rope_freqs", rope_frequencies(config.block_size, config.n_embd // config.n_head),
@@ -154,10 +121,7 @@ class GPT(nn.Module):
         # variance does not grow with depth (two residual additions per block)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
-                if config.zero_init_proj:
-                    nn.init.zeros_(p)
-                else:
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -184,8 +148,6 @@ class GPT(nn.Module):
         N = self.num_params()
         if self.pos_emb is not None:
             N -= self.pos_emb.weight.numel()
-        if not self.config.tie_embeddings:
-            N -= self.tok_emb.weight.numel()  # a lookup, not a matmul, once it is not the head
         return 6 * N + 12 * self.config.n_layer * self.config.n_embd * T
 
     def hidden(self, idx: Tensor, cache: KVCache | None = None,
@@ -233,19 +195,11 @@ class GPT(nn.Module):
             logits: (B, T, V).
             loss: scalar mean cross-entropy over all B*T positions, or None without targets.
         """
-        logits = self.logits(self.hidden(idx))  # (B, T, V)
+        logits = self.lm_head(self.hidden(idx))  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
-
-    def logits(self, h: Tensor) -> Tensor:
-        """LM head (with the optional soft cap): hidden states (..., C) -> logits (..., V)."""
-        logits = self.lm_head(h)
-        if self.config.logit_softcap > 0:
-            cap = self.config.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
-        return logits
 
     @torch.no_grad()
     def attention_maps(self, idx: Tensor) -> list[Tensor]:
@@ -308,7 +262,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None
         for _ in range(max_new_tokens):
             if not use_cache:
-                logits = self.logits(self.hidden(context)[:, -1])  # (B, V)
+                logits = self.lm_head(self.hidden(context)[:, -1])  # (B, V)
             else:
                 if cache is None or cache.length >= block:
                     # (re-)prefill: the whole window in one forward
@@ -316,7 +270,7 @@ class GPT(nn.Module):
                     h = self.hidden(context, cache)
                 else:
                     h = self.hidden(context[:, -1:], cache)  # only the newest token
-                logits = self.logits(h[:, -1])  # (B, V)
+                logits = self.lm_head(h[:, -1])  # (B, V)
             next_id = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             context = torch.cat((context, next_id), dim=1)[:, -block:]
             yield next_id[:, 0]

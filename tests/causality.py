@@ -73,8 +73,7 @@ def redraw_parameters_(model: torch.nn.Module, seed: int = 0, gain: float = 1.5)
     return model
 
 
-MODERN = dict(pos_emb="rope", norm="rmsnorm", mlp_act="relu2", qk_norm=True, tie_embeddings=False,
-              logit_softcap=10.0)
+MODERN = dict(pos_emb="rope", qk_norm=True)  # every later technique the model has
 
 
 def leak_test_model(backend: str = "manual", dropout: float = 0.0, seed: int = 0, **kw) -> GPT:
@@ -218,9 +217,10 @@ def check_prefix_parity(model: GPT, x: Tensor, tol: float = 1e-9) -> Check:
     return Check(f"model: prefix parity ({model.config.attn_backend})", quiet <= tol and fired > 0, quiet, fired)
 
 
-def check_dropout_causality(backend: str = "manual", seed: int = 3) -> Check:
-    """Train mode, dropout 0.3, same RNG state: future perturbation changes nothing before t."""
-    model = leak_test_model(backend, dropout=0.3).train()
+def check_dropout_causality(backend: str = "manual", seed: int = 3, **options) -> Check:
+    """Train mode, dropout 0.3, same RNG state: future perturbation changes nothing before t.
+    options: further GPTConfig options (e.g. pos_emb="rope")."""
+    model = leak_test_model(backend, dropout=0.3, **options).train()
     x = random_tokens(3, 8, model.config.vocab_size, seed)
     quiet, fired = 0.0, math.inf
     with torch.no_grad():

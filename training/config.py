@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from model import GPTConfig
-from model.gpt import ATTN_BACKENDS, MLP_ACTS, NORMS, POS_EMBS
+from model.gpt import ATTN_BACKENDS, POS_EMBS
 
 ATTENTION_PROMPT_CHARS = 32  # default attention prompt: 32 x 32 cells per head stay readable
 
@@ -45,12 +45,7 @@ class TrainConfig:
     attn_backend: str = _f("manual", "attention implementation: from scratch, or PyTorch's fused kernel", ATTN_BACKENDS)
     # later techniques (see model/gpt.py and benchmarks/RESULTS.md); the defaults are nanoGPT's
     pos_emb: str = _f("learned", "position information: a learned table, or rotary q/k (rope)", POS_EMBS)
-    norm: str = _f("layernorm", "normalisation layers", NORMS)
-    mlp_act: str = _f("gelu", "MLP activation: GELU, or relu(x)^2", MLP_ACTS)
     qk_norm: bool = _f(False, "RMS-normalise queries and keys per head")
-    tie_embeddings: bool = _f(True, "share the token embedding and LM head matrix")
-    zero_init_proj: bool = _f(False, "initialise residual output projections to zero")
-    logit_softcap: float = _f(0.0, "soft cap on logits, cap * tanh(logits / cap) (0 = off)")
     # optimisation
     batch_size: int = _f(64, "sequences per micro-batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
@@ -110,7 +105,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"config field {name} must be > 0, got {getattr(self, name)!r}")
         for name in ("min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "peak_tflops",
-                     "sample_tokens", "logit_softcap", "muon_lr"):
+                     "sample_tokens", "muon_lr"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config field {name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -129,9 +124,7 @@ class TrainConfig:
         """The architecture this config describes, for a corpus with vocab_size symbols."""
         return GPTConfig(vocab_size=vocab_size, block_size=self.block_size, n_layer=self.n_layer,
                          n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout, bias=self.bias,
-                         attn_backend=self.attn_backend, pos_emb=self.pos_emb, norm=self.norm,
-                         mlp_act=self.mlp_act, qk_norm=self.qk_norm, tie_embeddings=self.tie_embeddings,
-                         zero_init_proj=self.zero_init_proj, logit_softcap=self.logit_softcap)
+                         attn_backend=self.attn_backend, pos_emb=self.pos_emb, qk_norm=self.qk_norm)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
