@@ -253,6 +253,24 @@ def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 16, seed: i
                  float(differ), float(fired))
 
 
+def check_chunked_prefill(model: GPT, x: Tensor, split: int | None = None) -> Check:
+    """Feeding x through the KV cache in two chunks (T2 queries against a longer key history, the
+    case causal_mask's offset exists for) gives the same logits as one full forward."""
+    T = x.size(1)
+    split = split or T // 2
+    with torch.no_grad():
+        full, _ = model(x)
+        cache = model._new_cache(x.size(0), x.device)
+        first = model.lm_head(model.hidden(x[:, :split], cache))
+        second = model.lm_head(model.hidden(x[:, split:], cache))
+        chunked = torch.cat([first, second], dim=1)
+        # positive control: without the cache the second chunk alone reads a different context
+        alone = model.lm_head(model.hidden(x[:, split:]))
+    quiet = _max(chunked - full)
+    fired = _max(alone - full[:, split:])
+    return Check(f"model: chunked prefill ({model.config.attn_backend})", quiet <= 1e-9 and fired > 0, quiet, fired)
+
+
 # --- label shift ---------------------------------------------------------------------------------
 
 def check_batch_shift(batch_size: int = 64, block_size: int = 8, n: int = 40) -> Check:
@@ -323,7 +341,8 @@ def model_checks(model: GPT, x: Tensor) -> list[Check]:
     return [run_check(f"model: future perturbation ({tag})", check_future_perturbation, model, x),
             run_check(f"model: gradients ({tag})", check_gradients, model, x),
             run_check(f"model: prefix parity ({tag})", check_prefix_parity, model, x),
-            run_check(f"model: KV-cache parity ({tag})", check_cache_parity, model, x[:, :3])]
+            run_check(f"model: KV-cache parity ({tag})", check_cache_parity, model, x[:, :3]),
+            run_check(f"model: chunked prefill ({tag})", check_chunked_prefill, model, x)]
 
 
 def all_checks() -> list[Check]:

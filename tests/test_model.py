@@ -97,3 +97,20 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_most_likely_token():
     g = torch.Generator().manual_seed(0)
     assert torch.equal(model.generate(prompt, 8, temperature=1.0, top_k=1, generator=g), greedy)
     assert torch.equal(model.generate(prompt, 8, temperature=1.0, top_p=1e-9, generator=g), greedy)
+
+
+def test_rotary_attention_sees_only_relative_positions():
+    """With rotary positions, shifting every position by the same amount changes no output: q and k
+    are both rotated, so their scores depend on m - n only (rotating only q would make them absolute)."""
+    from model.attention import CausalSelfAttention, causal_mask
+    from model.gpt import rope_frequencies
+
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(32, 4, 0.0, bias=False, backend="manual").double()
+    freqs = rope_frequencies(64, 8)
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    at_start = attn(x, causal_mask(6, 6), rope=freqs[:6])
+    shifted = attn(x, causal_mask(6, 6), rope=freqs[20:26])
+    torch.testing.assert_close(shifted, at_start, rtol=0, atol=1e-6)  # complex64 angles: ~1e-7
+    unrotated = attn(x, causal_mask(6, 6))
+    assert (unrotated - at_start).abs().max() > 1e-2  # and the rotation does act
