@@ -84,3 +84,21 @@ def test_training_never_imports_the_compiler_stack():
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_grad_scaler_drives_our_optimizers_in_float16():
+    """--dtype=float16 runs through torch.amp.GradScaler, which expects torch.optim's interface."""
+    for name in ("adamw", "muon"):
+        model = _model()
+        opt = configure_optimizer(model, TrainConfig(optimizer=name, learning_rate=3e-3), "cpu")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        before = [p.detach().clone() for p in model.parameters()]
+        x = torch.randint(17, (4, 8), generator=torch.Generator().manual_seed(0))
+        with torch.autocast("cpu", dtype=torch.float16):
+            _, loss = model(x, x)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
