@@ -193,6 +193,8 @@ def test_resume_without_a_checkpoint_names_it(paths, capsys):
     ("--n_layer=2", "n_layer: checkpoint 1 vs config 2"),
     ("--n_embd=32", "n_embd: checkpoint 16 vs config 32"),
     ("--block_size=8", "block_size: checkpoint 16 vs config 8"),
+    ("--pos_emb=rope", "pos_emb: checkpoint 'learned' vs config 'rope'"),
+    ("--qk_norm", "qk_norm: checkpoint False vs config True"),
 ])
 def test_resume_from_another_architecture_names_the_fields(run_dir, capsys, override, message):
     corpus, out, cache = run_dir

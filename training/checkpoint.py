@@ -25,8 +25,9 @@ from model import GPT, GPTConfig
 
 FORMAT = "gpt-char-ckpt/1"
 CKPT_NAME = "ckpt.pt"
-# the GPTConfig fields that fix the weights' shapes: a resumed run must match them
-SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+# the GPTConfig fields a resumed run may change: neither alters the weights nor the function they
+# compute in eval mode. Every other field (sizes, pos_emb, qk_norm, ...) must match the checkpoint.
+RESUME_MAY_CHANGE = ("dropout", "attn_backend")
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
@@ -140,14 +141,15 @@ def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cp
 def check_resumable(ckpt: dict[str, Any], want: GPTConfig, vocab: CharTokenizer) -> None:
     """Refuse to resume from a checkpoint whose architecture or vocabulary differs from this run's.
 
-    Fields that do not change the weights (dropout, attn_backend) may differ.
+    Only RESUME_MAY_CHANGE (dropout, attn_backend) may differ; any other GPTConfig field, including
+    options added later, must match.
 
     Raises:
         ValueError: naming each differing field, or the characters only one vocabulary has.
     """
     have, want_d = ckpt["model_config"], want.to_dict()
-    diff = [f"{k}: checkpoint {have.get(k)!r} vs config {want_d[k]!r}" for k in SHAPE_FIELDS
-            if have.get(k) != want_d[k]]
+    diff = [f"{k}: checkpoint {have.get(k)!r} vs config {want_d[k]!r}" for k in want_d
+            if k not in RESUME_MAY_CHANGE and have.get(k) != want_d[k]]
     if diff:
         raise ValueError("cannot resume: the checkpoint's architecture differs: " + "; ".join(diff))
     theirs = CharTokenizer.from_dict(ckpt["vocab"])
