@@ -39,7 +39,7 @@ def args(corpus: Path, out: Path, *extra: str) -> list[str]:
             f"--gradient_accumulation_steps={MICRO}", f"--max_iters={STEPS}", "--learning_rate=3e-3",
             "--min_lr=3e-4", "--warmup_iters=5", f"--lr_decay_iters={STEPS}", "--eval_interval=20",
             "--eval_iters=20", "--log_interval=10", "--tensorboard=false", "--exact_val=false",
-            "--always_save_checkpoint", *extra]
+            "--always_save_checkpoint", "--dtype=float32", *extra]  # float32: the replay test compares to rounding
 
 
 @pytest.fixture(scope="module")

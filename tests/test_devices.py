@@ -38,3 +38,44 @@ def test_manual_and_sdpa_give_the_same_logits_on_device(device, dtype, tol):
         b, _ = fused(x)
     err = (a.float() - b.float()).abs().max().item()
     assert err < tol, f"manual vs sdpa differ by {err} on {device} in {dtype}"
+
+
+@pytest.mark.parametrize("has_amx, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_on_a_cpu_is_bfloat16_only_with_amx(monkeypatch, has_amx, expected):
+    """Without AMX, bfloat16 on a CPU is no faster than float32, so "auto" must not pick it there."""
+    from training import resolve_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: has_amx, raising=False)
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32  # an explicit choice stands
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32  # a torch without the probe: the safe one
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_cpu_bfloat16_attention_is_float32_attention_rounded(is_causal):
+    """On a CPU, fused_attention computes bfloat16 inputs in float32 (the bf16 CPU kernel's backward
+    is ~9x slower): the output and the gradients must be float32 sdpa's, rounded to bfloat16, also
+    under autocast (which would otherwise cast the float32 inputs straight back)."""
+    import torch.nn.functional as F
+
+    from model.attention import fused_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8).bfloat16().requires_grad_() for _ in range(3))
+    allowed = None if is_causal else torch.rand(16, 16) > 0.3
+    if allowed is not None:
+        allowed[:, 0] = True
+    kwargs = {"is_causal": True} if is_causal else {"attn_mask": allowed}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused_attention(q, k, v, **kwargs)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ref_in, **kwargs)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, ref.bfloat16())
+    g = torch.randn_like(ref)
+    out.backward(g.bfloat16())
+    ref.backward(g.bfloat16().float())
+    for t, r in zip((q, k, v), ref_in, strict=True):
+        assert t.grad.dtype == torch.bfloat16
+        assert torch.equal(t.grad, r.grad.bfloat16())

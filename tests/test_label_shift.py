@@ -47,8 +47,8 @@ def test_the_loss_train_py_optimises_is_next_token_cross_entropy(tmp_path, monke
 
     monkeypatch.setattr(GPT, "forward", recording_forward)
     cfg = TrainConfig(dataset=str(text), cache_dir=str(tmp_path / "cache"), out_dir=str(tmp_path / "out"),
-                      device="cpu", n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0, batch_size=4,
-                      max_iters=3, eval_interval=100, eval_iters=1, tensorboard=False, exact_val=False)
+                      device="cpu", dtype="float32", n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0,
+                      batch_size=4, max_iters=3, eval_interval=100, eval_iters=1, tensorboard=False, exact_val=False)
     train.train(cfg, verbose=False)
     corpus = load_corpus(str(text), tmp_path / "cache").train.astype(np.int64)
     assert len(records) == 3
