@@ -133,6 +133,8 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
     flops_per_token, peak = model.flops_per_token(cfg.block_size), peak_flops(device, cfg.peak_tflops)
     splits = {"train": train_data, "val": val_data}
+    # batches per eval forward: ~4k tokens at a time, except compiled (one shape, no recompile)
+    eval_group = 1 if use_compile else max(1, 4096 // (cfg.batch_size * cfg.block_size))
     train_seconds, steps_done, last_val, mfu = 0.0, 0, math.nan, None
     history, interval_ms, last_log = [], [], (0, 0.0)  # evals; ms/step per log interval
     t_mark = time.perf_counter()
@@ -149,7 +151,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
                 torch.cuda.synchronize()
             train_seconds += time.perf_counter() - t_mark
             losses = estimate_loss(fwd, splits, cfg.batch_size, cfg.block_size, cfg.eval_iters,
-                                   cfg.seed + 1, device, autocast)
+                                   cfg.seed + 1, device, autocast, eval_group)
             last_val = losses["val"]
             history.append({"step": step, "train_loss": losses["train"], "val_loss": losses["val"],
                             "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - t_start})

@@ -58,7 +58,7 @@ def run_nanogpt(path: Path, tmp: Path) -> dict:
         raise RuntimeError(f"nanoGPT failed:\n{text[-2000:]}")
     iters = [(int(i), float(ms)) for i, ms in re.findall(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", text, re.M)]
     evals = re.findall(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)", text, re.M)
-    return {"program": "nanoGPT", "wall_seconds": wall, "peak_rss_mb": rss,
+    return {"program": "nanoGPT", "dtype": "float32", "wall_seconds": wall, "peak_rss_mb": rss,  # CPU: no autocast
             "ms_per_step_median": statistics.median(ms for i, ms in iters if i >= 10),
             "val_loss_estimate": float(evals[-1][2]), "final_step": int(evals[-1][0])}
 
@@ -72,7 +72,8 @@ def run_ours(config: str, extra: list[str], dataset: str, tmp: Path) -> dict:
     if rc != 0:
         raise RuntimeError(f"ours failed:\n{(tmp / 'ours.log').read_text()[-2000:]}")
     s = json.loads((out / "summary.json").read_text())
-    return {"program": f"ours:{config}", "wall_seconds": wall, "peak_rss_mb": rss,
+    dtype = json.loads((out / "config.json").read_text())["dtype"]  # what dtype=auto chose on this machine
+    return {"program": f"ours:{config}", "dtype": dtype, "wall_seconds": wall, "peak_rss_mb": rss,
             "ms_per_step_median": s["ms_per_step_median"], "val_loss_estimate": s["last_val_estimate"],
             "final_val_loss_exact": s["final_val_loss"], "final_step": s["steps"]}
 

@@ -1,0 +1,52 @@
+"""The two loss measurements of a run: the in-training estimate and the exact val loss."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data import get_batch
+from model import GPT, GPTConfig
+from training import estimate_loss, exact_loss
+
+V, T, B = 11, 8, 3
+
+
+@pytest.fixture(scope="module")
+def model_and_splits():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=2, n_embd=16))
+    rng = np.random.default_rng(0)
+    splits = {"train": torch.from_numpy(rng.integers(0, V, 500)), "val": torch.from_numpy(rng.integers(0, V, 203))}
+    return model, splits
+
+
+@pytest.mark.parametrize("batches_per_forward", [1, 3, 7, 50])
+def test_estimate_is_the_mean_loss_of_the_seeded_batches_however_they_are_grouped(model_and_splits,
+                                                                                   batches_per_forward):
+    """7 batches in groups of 3 ends with a group of 1: it must weigh as one batch, not as three."""
+    model, splits = model_and_splits
+    got = estimate_loss(model, splits, B, T, 7, seed=5, device="cpu", batches_per_forward=batches_per_forward)
+    for name, data in splits.items():
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            by_hand = np.mean([model(*get_batch(data, B, T, gen))[1].item() for _ in range(7)])
+        assert got[name] == pytest.approx(by_hand, abs=1e-6)
+    assert model.training  # put back in the mode it came in
+
+
+def test_exact_loss_scores_every_target_once_from_its_window(model_and_splits):
+    """203 tokens = 202 targets: 25 full windows of 8 and one of 2, every target exactly once."""
+    model, splits = model_and_splits
+    data = splits["val"]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, len(data) - 1, T):
+            x, y = data[s:s + T][None], data[s + 1:s + 1 + T][None]
+            x = x[:, :y.size(1)]
+            total += F.cross_entropy(model(x)[0][0].double(), y[0], reduction="sum").item()
+            count += y.size(1)
+    assert count == len(data) - 1
+    assert exact_loss(model, data, T, 4, "cpu") == pytest.approx(total / count, abs=1e-6)
