@@ -236,6 +236,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         "wall_seconds": time.perf_counter() - t_start,
         "params": model.num_params(),
         "device": str(device),
+        "dtype": facts["dtype"],  # what dtype=auto resolved to on this machine
         "peak_memory_mb": peak_memory_mb(device),
         "world_size": dist.world_size,
         "interrupted": interrupted,  # the signal that stopped the run early, or None

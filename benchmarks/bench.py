@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "config": {k: v for k, v in cfg.to_dict().items() if k not in ("dataset", "cache_dir", "out_dir")},
         "device": summary["device"],
+        "dtype": summary["dtype"],
         "steps": summary["steps_this_run"],
         "ms_per_step_median": summary["ms_per_step_median"],
         "ms_per_step_mean": 1000 * summary["train_seconds"] / max(1, summary["steps_this_run"]),
