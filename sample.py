@@ -10,6 +10,7 @@ With --attention_png it draws the prompt's attention weights instead (training/v
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -149,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             sample(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # the reader went away (`python sample.py | head`): stop quietly, as Unix tools do. Python would
+        # otherwise report the pipe again when it flushes stdout at exit, so stdout now goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     return 0
 

@@ -4,6 +4,9 @@ greedy decoding, top-k/top-p, --prompt_file, --num_samples, streaming and --help
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,3 +145,17 @@ def test_help_lists_every_option_with_its_default():
     for action in options:
         assert action.option_strings[0] in text
     assert text.count("(default:") == len(options)
+
+
+def test_a_reader_that_stops_early_ends_sampling_quietly(ckpt):
+    """`python sample.py | head -c 20`: once head exits, the next write hits a closed pipe. That must
+    end the run without a traceback, however many tokens were still to come."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "sample.py", f"--ckpt={ckpt}", "--device=cpu", "--num_samples=50",
+                             "--max_new_tokens=500"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = proc.stdout.read(20)
+    proc.stdout.close()  # what head does when it has its 20 bytes
+    _, err = proc.communicate(timeout=120)
+    assert len(head) == 20
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+    assert proc.returncode == 1
