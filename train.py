@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data import Corpus, check_split_sizes, get_batch, load_corpus
+from data import Corpus, check_split_sizes, get_batch, load_corpus, write_atomic
 from model import GPT
 from training import (
     CKPT_NAME,
@@ -121,7 +121,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     if dist.is_main:  # only rank 0 writes files
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_partial_saves(ckpt_path)  # temporary files of saves that a killed run left behind
-        (out_dir / "config.json").write_text(json.dumps(facts, indent=2))
+        write_atomic(out_dir / "config.json", json.dumps(facts, indent=2).encode())
     log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose and dist.is_main)
     log.line(f"config: {json.dumps(cfg.to_dict())}")
     log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
@@ -243,7 +243,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         "history": history,
     }
     if dist.is_main:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2).encode())  # never a torn file
     log.line("summary: " + json.dumps({k: v for k, v in summary.items() if k != "history"}))
     log.hparams(step if interrupted else cfg.max_iters, cfg.to_dict())
     log.close()

@@ -106,14 +106,18 @@ def load_corpus(dataset: str, cache_dir: str | os.PathLike = "data_cache", split
     entry.mkdir(parents=True, exist_ok=True)
     # Every file goes through a temporary name of its own and os.replace, so processes filling the
     # same entry at once (ranks of a torchrun job, two runs sharing cache_dir) never see a torn file.
-    _write_atomic(entry / "train.bin", memoryview(corpus.train))
-    _write_atomic(entry / "val.bin", memoryview(corpus.val))
+    write_atomic(entry / "train.bin", memoryview(corpus.train))
+    write_atomic(entry / "val.bin", memoryview(corpus.val))
     # vocab.json last: its presence marks a complete entry
-    _write_atomic(vocab_path, json.dumps(corpus.tokenizer.to_dict(), ensure_ascii=False).encode("utf-8"))
+    write_atomic(vocab_path, json.dumps(corpus.tokenizer.to_dict(), ensure_ascii=False).encode("utf-8"))
     return corpus
 
 
-def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+def write_atomic(path: str | Path, data: bytes | memoryview) -> None:
+    """Write data to path through a temporary file in the same directory and an atomic rename: a
+    reader, or a crash at any moment, sees the old file or the new one, never a torn one. A failed
+    write removes its temporary file and leaves the old file as it was."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

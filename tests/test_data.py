@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from data import CharTokenizer, encode_corpus, eval_windows, get_batch, load_corpus, load_source
+from data import CharTokenizer, encode_corpus, eval_windows, get_batch, load_corpus, load_source, write_atomic
 
 
 def test_tokenizer_round_trip_and_sorted_vocabulary():
@@ -129,3 +129,20 @@ def test_shakespeare_cache_with_wrong_content_is_refused(tmp_path):
     target.write_text("not shakespeare", encoding="utf-8")
     with pytest.raises(ValueError, match="is not Tiny Shakespeare"):
         load_source("shakespeare_char", tmp_path)
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "summary.json"
+    write_atomic(target, b"old")
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("data.corpus.os.replace", full_disk)
+    with pytest.raises(OSError):
+        write_atomic(target, b"new")
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    monkeypatch.undo()
+    write_atomic(target, b"new")
+    assert target.read_bytes() == b"new"
