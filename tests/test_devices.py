@@ -79,3 +79,24 @@ def test_cpu_bfloat16_attention_is_float32_attention_rounded(is_causal):
     for t, r in zip((q, k, v), ref_in, strict=True):
         assert t.grad.dtype == torch.bfloat16
         assert torch.equal(t.grad, r.grad.bfloat16())
+
+
+@pytest.mark.parametrize("backend", ["manual", "sdpa"])
+def test_cpu_bfloat16_training_follows_float32_training(tmp_path, backend):
+    """What dtype=auto picks on an AMX CPU must learn what float32 learns: the same 80 steps, same
+    seed, end within 0.05 of each other in exact val loss (measured: 0.008), both far below where
+    they started (3.47 -> 1.72). The attention numbers themselves are checked exactly above."""
+    from tiny_runs import tiny_config
+
+    import train
+
+    finals = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = tiny_config(tmp_path, out_dir=str(tmp_path / dtype), dtype=dtype, attn_backend=backend, max_iters=80,
+                          lr_decay_iters=80, eval_interval=80, tensorboard=False)
+        summary = train.train(cfg, verbose=False)
+        assert summary["dtype"] == dtype
+        finals[dtype] = (summary["history"][0]["val_loss"], summary["final_val_loss"])
+    (start32, end32), (start16, end16) = finals["float32"], finals["bfloat16"]
+    assert end32 < start32 - 1.5 and end16 < start16 - 1.5, finals
+    assert abs(end16 - end32) < 0.05, finals
