@@ -68,7 +68,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     t_start = time.perf_counter()
     device = dist.device
     micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank; the global batch stays
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device, work=cfg.batch_size * cfg.block_size * cfg.n_embd)
     autocast = autocast_context(device, dtype)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
     if device.type == "cuda":

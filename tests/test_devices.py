@@ -40,16 +40,24 @@ def test_manual_and_sdpa_give_the_same_logits_on_device(device, dtype, tol):
     assert err < tol, f"manual vs sdpa differ by {err} on {device} in {dtype}"
 
 
-@pytest.mark.parametrize("has_amx, expected", [(True, torch.bfloat16), (False, torch.float32)])
-def test_auto_dtype_on_a_cpu_is_bfloat16_only_with_amx(monkeypatch, has_amx, expected):
-    """Without AMX, bfloat16 on a CPU is no faster than float32, so "auto" must not pick it there."""
+@pytest.mark.parametrize("has_amx, work, expected", [
+    (True, 12 * 64 * 128, torch.bfloat16),  # the laptop recipe: 1.31x faster in bf16 there
+    (True, 2 ** 16, torch.bfloat16),
+    (True, 2 ** 16 - 1, torch.float32),  # small matmuls: the casts cost more than AMX saves
+    (True, 8 * 32 * 32, torch.float32),  # configs/debug.toml: 0.70x in bf16
+    (True, None, torch.bfloat16),  # size unknown: counted as large enough
+    (False, 12 * 64 * 128, torch.float32),  # no AMX: bf16 is no faster on any size
+])
+def test_auto_dtype_on_a_cpu_is_bfloat16_only_with_amx_and_large_enough_matmuls(monkeypatch, has_amx, work,
+                                                                                 expected):
     from training import resolve_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: has_amx, raising=False)
-    assert resolve_dtype("auto", torch.device("cpu")) == expected
-    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32  # an explicit choice stands
+    assert resolve_dtype("auto", torch.device("cpu"), work) == expected
+    assert resolve_dtype("float32", torch.device("cpu"), work) == torch.float32  # an explicit choice stands
+    assert resolve_dtype("bfloat16", torch.device("cpu"), 1) == torch.bfloat16
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32  # a torch without the probe: the safe one
+    assert resolve_dtype("auto", torch.device("cpu"), work) == torch.float32  # a torch without the probe
 
 
 @pytest.mark.parametrize("is_causal", [True, False])

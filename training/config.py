@@ -80,8 +80,8 @@ class TrainConfig:
     # system
     seed: int = _f(1337, "seeds the model init, the batch generator and dropout")
     device: str = _f("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
-    dtype: str = _f("auto", "compute dtype for autocast (auto = bfloat16 on CUDA when supported and on CPUs "
-                    "with AMX, else float32)",
+    dtype: str = _f("auto", "compute dtype for autocast (auto = bfloat16 on CUDA when supported, and on CPUs "
+                    "with AMX when batch_size * block_size * n_embd >= 65536; else float32)",
                     ("auto", "float32", "bfloat16", "float16"))
     compile: str = _f("auto", "torch.compile the model (auto = on for CUDA)", ("auto", "true", "false"))
     resume: bool = _f(False, "continue from out_dir/ckpt.pt")

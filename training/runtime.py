@@ -32,23 +32,35 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+# bf16 autocast on an AMX CPU pays only when the matmuls are large enough to amortise its casts.
+# Measured by training-step time (benchmarks/results/cpu_bf16_by_size.jsonl): with batch_size x
+# block_size x n_embd at 2**16 and above, bf16 was 0.97-1.31x the speed of float32 (1.31x for the
+# laptop recipe); below it, 0.70-0.89x.
+CPU_BF16_MIN_WORK = 2 ** 16
+
+
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later): bfloat16 matrix units.
 
-    There bfloat16 matmuls of this project's sizes measured ~3x faster than float32 ones, and the
-    laptop recipe's step 1.2x faster overall (benchmarks/RESULTS.md). Without AMX, bfloat16 on a CPU
-    is converted to float32 inside each kernel and is no faster, often slower.
+    There bfloat16 matmuls of this project's sizes measured ~3x faster than float32 ones. Without
+    AMX, bfloat16 on a CPU is converted to float32 inside each kernel and is no faster, often slower.
     """
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # a private probe: absent means unknown
     return bool(probe is not None and probe())
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' -> bfloat16 on a CUDA device that supports it and on a CPU with AMX, else float32."""
+def resolve_dtype(name: str, device: torch.device, work: int | None = None) -> torch.dtype:
+    """The compute dtype a config's `dtype` means on this device.
+
+    'auto' -> bfloat16 on a CUDA device that supports it, and on a CPU with AMX when the model's
+    matmuls are large enough to gain from it (work = batch_size * block_size * n_embd of one
+    micro-batch >= CPU_BF16_MIN_WORK; None means the size is unknown and counts as large enough);
+    float32 otherwise. Any other name is taken as given.
+    """
     if name == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
-        if device.type == "cpu" and cpu_has_amx():
+        if device.type == "cpu" and cpu_has_amx() and (work is None or work >= CPU_BF16_MIN_WORK):
             return torch.bfloat16
         return torch.float32
     return DTYPES[name]
