@@ -112,3 +112,20 @@ def test_compiled_run_saves_plain_keys_and_resumes_uncompiled_bit_identically(ru
     resumed = load_checkpoint(tmp_path / "compiled" / "ckpt.pt")["model"]
     for name, tensor in reference["model"].items():
         assert torch.equal(tensor, resumed[name]), name
+
+
+def test_bfloat16_cpu_run_resumes_bit_identically(tmp_path):
+    """The dtype dtype=auto picks for the laptop recipe on an AMX CPU: bf16 autocast over float32
+    weights. N/2 + resume must again equal N steps exactly (weights and the last estimate)."""
+    common = dict(dtype="bfloat16", tensorboard=False, exact_val=False)
+    whole = config(tmp_path, out_dir=str(tmp_path / "whole"), **common)
+    split = config(tmp_path, out_dir=str(tmp_path / "split"), **common)
+    s_whole = train.train(whole, verbose=False)
+    train.train(split.replace(max_iters=N // 2), verbose=False)
+    s_resumed = train.train(split.replace(resume=True), verbose=False)
+    assert s_whole["dtype"] == s_resumed["dtype"] == "bfloat16"
+    a, b = load_checkpoint(f"{whole.out_dir}/ckpt.pt"), load_checkpoint(f"{split.out_dir}/ckpt.pt")
+    assert a["step"] == b["step"] == N
+    for name, tensor in a["model"].items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, b["model"][name]), name
+    assert s_whole["last_val_estimate"] == s_resumed["last_val_estimate"]
