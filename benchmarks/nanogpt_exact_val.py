@@ -1,0 +1,77 @@
+"""Score a nanoGPT checkpoint with our exact val loss: its weights loaded into our GPT.
+
+    python benchmarks/nanogpt_exact_val.py NANOGPT_OUT_DIR/ckpt.pt --dataset=PATH/input.txt
+
+nanoGPT reports a 20-batch estimate of the val loss; ours reports every val target once. Loading
+nanoGPT's weights into our model (the same architecture, other parameter names) puts both programs
+on the exact measure. Its character vocabulary comes from the same text (sorted set of characters),
+so the token ids agree; the split is nanoGPT's too (first 90 % train). Float32, CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data import load_corpus  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from training import exact_loss  # noqa: E402
+
+# nanoGPT's parameter names -> ours, per block and outside the blocks
+BLOCK = {"ln_1.weight": "ln_1.weight", "attn.c_attn.weight": "attn.qkv.weight",
+         "attn.c_proj.weight": "attn.proj.weight", "ln_2.weight": "ln_2.weight",
+         "mlp.c_fc.weight": "mlp.fc.weight", "mlp.c_proj.weight": "mlp.proj.weight"}
+TOP = {"transformer.wte.weight": "tok_emb.weight", "transformer.wpe.weight": "pos_emb.weight",
+       "transformer.ln_f.weight": "ln_f.weight", "lm_head.weight": "lm_head.weight"}
+
+
+def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """nanoGPT's state_dict (bias=False) in our names; raises on a name it does not know."""
+    out = {}
+    for name, tensor in state.items():
+        name = name.removeprefix("_orig_mod.")  # a compiled nanoGPT model saves this prefix
+        if name in TOP:
+            out[TOP[name]] = tensor
+        elif name.startswith("transformer.h."):
+            layer, rest = name.removeprefix("transformer.h.").split(".", 1)
+            if rest not in BLOCK:
+                raise ValueError(f"unknown nanoGPT parameter {name} (a bias? only bias=False is converted)")
+            out[f"blocks.{layer}.{BLOCK[rest]}"] = tensor
+        else:
+            raise ValueError(f"unknown nanoGPT parameter {name}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("ckpt", type=Path, help="a nanoGPT out_dir/ckpt.pt")
+    p.add_argument("--dataset", required=True, help="the text nanoGPT was trained on (input.txt)")
+    p.add_argument("--cache_dir", default="data_cache")
+    args = p.parse_args(argv)
+    ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=False)  # nanoGPT pickles its config
+    margs = ckpt["model_args"]
+    if margs.get("bias"):
+        raise SystemExit("error: only nanoGPT models with bias=False are converted")
+    corpus = load_corpus(args.dataset, args.cache_dir)
+    if corpus.tokenizer.vocab_size != margs["vocab_size"]:
+        raise SystemExit(f"error: the dataset has {corpus.tokenizer.vocab_size} symbols, the checkpoint "
+                         f"{margs['vocab_size']}")
+    model = GPT(GPTConfig(vocab_size=margs["vocab_size"], block_size=margs["block_size"], n_layer=margs["n_layer"],
+                          n_head=margs["n_head"], n_embd=margs["n_embd"], attn_backend="sdpa")).eval()
+    model.load_state_dict(convert(ckpt["model"]))
+    val = exact_loss(model, corpus.val.astype(np.int64), margs["block_size"], 64, "cpu")
+    print(json.dumps({"ckpt": str(args.ckpt), "iter_num": ckpt.get("iter_num"),
+                      "nanogpt_best_val_estimate": float(ckpt.get("best_val_loss", float("nan"))),
+                      "exact_val_loss": val}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
