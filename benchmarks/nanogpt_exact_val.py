@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset", required=True, help="the text nanoGPT was trained on (input.txt)")
     p.add_argument("--cache_dir", default="data_cache")
     args = p.parse_args(argv)
-    ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=False)  # nanoGPT pickles its config
+    ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=True)  # plain tensors, dicts and numbers
     margs = ckpt["model_args"]
     if margs.get("bias"):
         raise SystemExit("error: only nanoGPT models with bias=False are converted")
