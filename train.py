@@ -120,7 +120,8 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
              "world_size": dist.world_size}
     if dist.is_main:  # only rank 0 writes files
         out_dir.mkdir(parents=True, exist_ok=True)
-        remove_partial_saves(ckpt_path)  # temporary files of saves that a killed run left behind
+        for written in (ckpt_path, out_dir / "config.json", out_dir / "summary.json"):
+            remove_partial_saves(written)  # temporary files of writes that a killed run left behind
         write_atomic(out_dir / "config.json", json.dumps(facts, indent=2).encode())
     log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose and dist.is_main)
     log.line(f"config: {json.dumps(cfg.to_dict())}")

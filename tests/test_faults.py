@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import tiny_config
 
 import train
 from model import GPT
@@ -324,3 +325,19 @@ def test_temp_files_of_killed_saves_are_ignored_by_load_and_removed_by_the_next_
     assert load_checkpoint(out / CKPT_NAME)["step"] == 2
     assert train.main(args(corpus, out, "--resume", "--max_iters=3")) == 0
     assert not stale.exists()
+
+
+def test_a_new_run_tidies_what_killed_writes_of_its_files_left_behind(tmp_path):
+    """A SIGKILL during any atomic write leaves `.NAME.<random>.tmp` in out_dir: the checkpoint's, and
+    config.json's and summary.json's. The next run in that out_dir removes all three kinds."""
+    cfg = tiny_config(tmp_path, max_iters=2, eval_interval=2, tensorboard=False, exact_val=False)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True)
+    stale = [out / f".{name}.k1ll3d.tmp" for name in (CKPT_NAME, "config.json", "summary.json")]
+    keep = out / ".notes.txt.k1ll3d.tmp"  # not a file the trainer writes: not its business
+    for p in [*stale, keep]:
+        p.write_bytes(b"torn")
+    train.train(cfg, verbose=False)
+    assert not any(p.exists() for p in stale)
+    assert keep.exists()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2

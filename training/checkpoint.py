@@ -63,10 +63,11 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
 
 def remove_partial_saves(path: str | Path) -> list[Path]:
-    """Delete the temporary files that saves of `path` killed mid-write left behind; returns them.
+    """Delete the temporary files that writes of `path` killed mid-write left behind; returns them.
 
-    They are never read (load_checkpoint opens only `path`), so this is tidying, not recovery. Call it
-    only while no other process saves to the same path.
+    save_checkpoint and data.write_atomic both name them `.NAME.*.tmp` beside `path`. They are never
+    read (load_checkpoint opens only `path`), so this is tidying, not recovery. Call it only while no
+    other process writes the same path.
     """
     path = Path(path)
     stale = sorted(path.parent.glob(f".{path.name}.*.tmp"))
