@@ -32,10 +32,36 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from training.config import TrainConfig, load_toml  # noqa: E402
 
 
 def _args(overrides: dict) -> list[str]:
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
+
+
+def check_plan(plan: dict) -> None:
+    """Raise ValueError naming the first variant whose config (base file + plan overrides + its own)
+    is not a valid TrainConfig: a misspelt or retired option fails here, before minutes of timing
+    runs, instead of in the middle of the plan."""
+    for key in ("base", "variant"):
+        if key not in plan:
+            raise ValueError(f"the plan has no {key!r}")
+    base = load_toml(ROOT / plan["base"])
+    for variant in plan["variant"]:
+        if "name" not in variant:
+            raise ValueError(f"a variant has no name: {variant}")
+        if "steps" not in variant and "budget_seconds" not in plan:
+            raise ValueError(f"variant {variant['name']!r} has no steps and the plan no budget_seconds")
+        overrides = {**plan.get("overrides", {}), **variant.get("overrides", {})}
+        unknown = sorted(set(overrides) - set(TrainConfig.__dataclass_fields__))
+        try:
+            if unknown:
+                raise ValueError(f"unknown config key {unknown[0]!r} (not a field of train.py's config)")
+            TrainConfig(**{**base, **overrides})
+        except ValueError as e:
+            raise ValueError(f"variant {variant['name']!r}: {e}") from None
 
 
 def run_train(base: str, overrides: dict, out_dir: Path) -> tuple[dict, float]:
@@ -45,7 +71,7 @@ def run_train(base: str, overrides: dict, out_dir: Path) -> tuple[dict, float]:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"error: {' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     return json.loads((out_dir / "summary.json").read_text()), wall
 
 
@@ -58,6 +84,9 @@ def ms_per_step(base: str, overrides: dict, dataset: str, tmp: Path, steps: int 
 
 
 def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
     opts = {"--dataset": None, "--seeds": "1,2", "--out": "benchmarks/ablations.jsonl", "--only": None}
     plan_path = None
     for arg in argv:
@@ -70,7 +99,11 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"unexpected argument {arg!r}\n{__doc__}")
     if plan_path is None or opts["--dataset"] is None:
         raise SystemExit(__doc__)
-    plan = tomllib.loads(Path(plan_path).read_text())
+    try:
+        plan = tomllib.loads(Path(plan_path).read_text())
+        check_plan(plan)
+    except (OSError, tomllib.TOMLDecodeError, ValueError) as e:
+        raise SystemExit(f"error: plan {plan_path}: {e}") from None
     seeds = [int(s) for s in opts["--seeds"].split(",")]
     only = set(opts["--only"].split(",")) if opts["--only"] else None
     out = Path(opts["--out"])

@@ -8,6 +8,7 @@ budget, median ms/step of the timing runs, mean training seconds and whole-proce
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -32,10 +33,18 @@ def table(rows: list[dict], baseline: str | None = None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    paths = [a for a in argv if not a.startswith("--")]
-    baseline = next((a.split("=", 1)[1] for a in argv if a.startswith("--baseline=")), None)
-    rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
-    print(table(rows, baseline))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("jsonl", nargs="+", help="ablate.py output files (JSON lines)")
+    p.add_argument("--baseline", default=None, help="variant the 'vs baseline' column compares with "
+                   "(default: the first one)")
+    args = p.parse_args(argv)
+    rows = [json.loads(line) for path in args.jsonl for line in open(path) if line.strip()]
+    names = {r["name"] for r in rows}
+    if not rows:
+        p.error("the files hold no rows")
+    if args.baseline is not None and args.baseline not in names:
+        p.error(f"--baseline={args.baseline!r} is not a variant in the files; they have: {sorted(names)}")
+    print(table(rows, args.baseline))
     return 0
 
 

@@ -1,0 +1,64 @@
+"""The benchmark scripts' own checks: shipped ablation plans stay runnable as the config changes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ablate  # noqa: E402
+import summarize  # noqa: E402
+
+PLANS = sorted((ROOT / "benchmarks" / "plans").glob("*.toml"))
+
+
+def test_there_are_plans():
+    assert PLANS, "benchmarks/plans/*.toml is empty: the README's ablation command has nothing to run"
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
+def test_every_shipped_plan_is_a_valid_config(plan):
+    # a plan naming a retired option would otherwise fail minutes into its timing runs
+    ablate.check_plan(tomllib.loads(plan.read_text()))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"norm": "rmsnorm"}, "unknown config key 'norm'"),
+    ({"n_head": 5}, "divisible by n_head=5"),
+])
+def test_check_plan_names_the_bad_variant(overrides, message):
+    plan = {"base": "configs/debug.toml", "budget_seconds": 1.0,
+            "variant": [{"name": "fine"}, {"name": "broken", "overrides": overrides}]}
+    with pytest.raises(ValueError, match=rf"variant 'broken': .*{message}"):
+        ablate.check_plan(plan)
+
+
+def test_check_plan_needs_a_budget_or_steps():
+    plan = {"base": "configs/debug.toml", "variant": [{"name": "no budget"}]}
+    with pytest.raises(ValueError, match="no steps and the plan no budget_seconds"):
+        ablate.check_plan(plan)
+    ablate.check_plan({**plan, "variant": [{"name": "fixed", "steps": 10}]})
+
+
+def test_summarize_pools_seeds_and_compares_with_the_baseline():
+    row = dict(steps=10, ms_per_step_timing_run=1.0, train_seconds=1.0, wall_seconds=2.0, tokens_per_second=5.0)
+    rows = [{"name": "a", "final_val_loss": 2.0, **row}, {"name": "a", "final_val_loss": 2.2, **row},
+            {"name": "b", "final_val_loss": 1.9, **row}]
+    lines = summarize.table(rows).splitlines()
+    assert lines[2].startswith("| a | 2.0000, 2.2000 | 2.1000 | +0.0000 |")
+    assert lines[3].startswith("| b | 1.9000 | 1.9000 | -0.2000 |")
+    assert "| a | 2.0000, 2.2000 | 2.1000 | +0.2000 |" in summarize.table(rows, baseline="b")
+
+
+@pytest.mark.parametrize("script", ["ablate.py", "summarize.py"])
+def test_help_exits_zero(script):
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage" in proc.stdout.lower() or "python benchmarks/" in proc.stdout
