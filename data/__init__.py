@@ -1,6 +1,7 @@
 """Text -> tokens -> batches: sources, the character tokenizer, the cached corpus and batching."""
 
-from .corpus import Corpus, check_split_sizes, encode_corpus, eval_windows, get_batch, load_corpus, write_atomic
+from .corpus import Corpus, check_split_sizes, encode_corpus, eval_windows, get_batch, load_corpus
+from .files import temp_file_beside, write_atomic
 from .sources import load_source
 from .tokenizer import CharTokenizer
 
@@ -13,5 +14,6 @@ __all__ = [
     "get_batch",
     "load_corpus",
     "load_source",
+    "temp_file_beside",
     "write_atomic",
 ]

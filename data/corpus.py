@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .files import write_atomic
 from .sources import load_source
 from .tokenizer import CharTokenizer
 
@@ -111,21 +111,6 @@ def load_corpus(dataset: str, cache_dir: str | os.PathLike = "data_cache", split
     # vocab.json last: its presence marks a complete entry
     write_atomic(vocab_path, json.dumps(corpus.tokenizer.to_dict(), ensure_ascii=False).encode("utf-8"))
     return corpus
-
-
-def write_atomic(path: str | Path, data: bytes | memoryview) -> None:
-    """Write data to path through a temporary file in the same directory and an atomic rename: a
-    reader, or a crash at any moment, sees the old file or the new one, never a torn one. A failed
-    write removes its temporary file and leaves the old file as it was."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def get_batch(

@@ -9,11 +9,12 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from .files import temp_file_beside
 
 # The file nanoGPT's shakespeare_char/prepare.py downloads, and its fingerprint.
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -89,7 +90,7 @@ def _download(url: str, target: Path) -> None:
             total = int(resp.headers.get("Content-Length") or 0) or None
             from tqdm import tqdm
 
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".download-")
+            fd, tmp = temp_file_beside(target, prefix=".download-")
             try:
                 with os.fdopen(fd, "wb") as f, tqdm(total=total, unit="B", unit_scale=True,
                                                     desc="download", file=sys.stderr) as bar:
@@ -167,7 +168,7 @@ def hf_dataset(spec: str, split: str | None, text_column: str | None,
         raise ConnectionError(
             f"could not load hf:{name} from the Hugging Face Hub ({e}). Offline? Pass a local copy "
             f"instead: --dataset=hf:PATH, where PATH is a directory written by save_to_disk, a "
-            f".parquet/.json/.jsonl/.csv file, or a folder of them such as a clone of the dataset's "
+            f".parquet/.json/.jsonl/.csv/.txt file, or a folder of them such as a clone of the dataset's "
             f"repository; or --dataset=PATH for plain UTF-8 text (a file or a folder of .txt files)"
         ) from None
     except (datasets.exceptions.DatasetNotFoundError, ValueError) as e:  # e.g. 'Unknown split "x"'

@@ -138,7 +138,7 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, mo
     def full_disk(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("data.corpus.os.replace", full_disk)
+    monkeypatch.setattr("data.files.os.replace", full_disk)
     with pytest.raises(OSError):
         write_atomic(target, b"new")
     assert target.read_bytes() == b"old"
@@ -146,3 +146,21 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, mo
     monkeypatch.undo()
     write_atomic(target, b"new")
     assert target.read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_atomically_written_files_get_the_umask_permissions_not_mkstemps_0600(tmp_path, umask, mode):
+    """ckpt.pt, summary.json and the corpus cache are read by other tools (and users of a shared
+    cache_dir): they get what open() would give, 0666 minus the umask."""
+    import os
+
+    from training import save_checkpoint
+
+    old = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "summary.json", b"{}")
+        save_checkpoint(tmp_path / "ckpt.pt", {"step": 0})
+    finally:
+        os.umask(old)
+    for name in ("summary.json", "ckpt.pt"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == mode, name

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from data import CharTokenizer
+from data import CharTokenizer, temp_file_beside
 from model import GPT, GPTConfig
 
 FORMAT = "gpt-char-ckpt/1"
@@ -42,7 +41,7 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
         OSError: the write failed (e.g. disk full); the message says the previous checkpoint is intact.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_file_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save({"format": FORMAT, **state}, f)
