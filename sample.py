@@ -10,6 +10,7 @@ With --attention_png it draws the prompt's attention weights instead (training/v
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ from data import CharTokenizer
 from data.sources import decode_utf8
 from model import GPT
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
+from training.config import MAX_SEED
 from training.visualize import prompt_attention, save_attention_png
 
 
@@ -57,12 +59,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
     if args.num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
         raise ValueError(f"--top_k must be >= 0 (0 = all tokens), got {args.top_k}")
     if not 0.0 < args.top_p <= 1.0:
         raise ValueError(f"--top_p must be in (0, 1] (1 = off), got {args.top_p}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed must be in [0, 2**62], got {args.seed}")
 
 
 def read_prompt(path: str) -> str:

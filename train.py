@@ -45,7 +45,7 @@ from training import (
 )
 from training.distributed import Dist, close_distributed, init_distributed
 from training.faults import RunGuard, exit_code, signal_name
-from training.monitor import RunLog
+from training.monitor import RunLog, resolve_prompts
 
 
 def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
@@ -82,8 +82,13 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     with dist.rank_zero_first():  # rank 0 fills the encoded cache; the other ranks then read it
         corpus = load_corpus(cfg.dataset, cfg.cache_dir, cfg.split or None, cfg.text_column or None)
     check_split_sizes(corpus, cfg.block_size)
+    if cfg.tensorboard:
+        resolve_prompts(cfg, corpus)  # their characters must be in the vocabulary: checked now, not at step 0
     if ckpt is not None:
         check_resumable(ckpt, cfg.model_config(corpus.tokenizer.vocab_size), corpus.tokenizer)
+        if ckpt["step"] > cfg.max_iters:
+            raise ValueError(f"--resume: {ckpt_path} is at step {ckpt['step']}, past max_iters={cfg.max_iters}; "
+                             f"give --max_iters > {ckpt['step']} to train on")
 
     # --- data: encoded once, cached; both splits live on the training device (int32: half the
     # memory of int64; get_batch widens each batch to int64) -----------------------------------
@@ -100,10 +105,12 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         model = GPT(cfg.model_config(vocab_size)).to(device)
     optimizer = configure_optimizer(model, cfg, device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    start_step, best_val = 0, math.inf
+    start_step, best_val, history = 0, math.inf, []  # history: one entry per eval
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         start_step, best_val = ckpt["step"], ckpt["best_val_loss"]
+        # the evals before the resumed step (checkpoints from before this field have none)
+        history = [h for h in ckpt.get("history", []) if h["step"] < start_step]
         torch.set_rng_state(ckpt["rng"]["torch"].cpu())
         batch_gen.set_state(ckpt["rng"]["batch"].cpu())
         if device.type == "cuda" and "cuda" in ckpt["rng"]:
@@ -137,7 +144,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     # batches per eval forward: ~4k tokens at a time, except compiled (one shape, no recompile)
     eval_group = 1 if use_compile else max(1, 4096 // (cfg.batch_size * cfg.block_size))
     train_seconds, steps_done, last_val, mfu = 0.0, 0, math.nan, None
-    history, interval_ms, last_log = [], [], (0, 0.0)  # evals; ms/step per log interval
+    interval_ms, last_log = [], (0, 0.0)  # ms/step per log interval
     t_mark = time.perf_counter()
     guard.arm()  # from here SIGINT/SIGTERM stop the run at the end of a step
     stop_signal = None
@@ -153,6 +160,10 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
             train_seconds += time.perf_counter() - t_mark
             losses = estimate_loss(fwd, splits, cfg.batch_size, cfg.block_size, cfg.eval_iters,
                                    cfg.seed + 1, device, autocast, eval_group)
+            if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
+                guard.check_before_save(model)  # names the first non-finite training loss, if there was one
+                raise FloatingPointError(f"the loss estimate at step {step} is not finite (train {losses['train']}, "
+                                         f"val {losses['val']}); stopped without saving: {ckpt_path} is untouched")
             last_val = losses["val"]
             history.append({"step": step, "train_loss": losses["train"], "val_loss": losses["val"],
                             "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - t_start})
@@ -164,7 +175,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
                 if step > start_step or (step > 0 and ckpt is None):  # never rewrite the state resumed from
                     guard.check_before_save(model)  # never a model from a non-finite loss on
                     save_checkpoint(ckpt_path, _checkpoint_state(model, optimizer, cfg, corpus, step, best_val,
-                                                                 batch_gen, device))
+                                                                 batch_gen, device, history))
             t_mark = time.perf_counter()
         if last_step:
             break
@@ -211,7 +222,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         train_seconds += time.perf_counter() - t_mark
         guard.check_before_save(model)
         save_checkpoint(ckpt_path, {**_checkpoint_state(model, optimizer, cfg, corpus, step + 1, best_val,
-                                                        batch_gen, device), "interrupted": interrupted})
+                                                        batch_gen, device, history), "interrupted": interrupted})
         log.line(f"interrupted by {interrupted} after step {step}: saved {ckpt_path} at step {step + 1}; "
                  "run the same command with --resume to continue")
 
@@ -244,11 +255,23 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         "history": history,
     }
     if dist.is_main:
-        write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2).encode())  # never a torn file
+        # never a torn file; NaN/inf (no eval ran, say) as null, so that strict JSON readers accept it
+        write_atomic(out_dir / "summary.json", json.dumps(_json_safe(summary), indent=2).encode())
     log.line("summary: " + json.dumps({k: v for k, v in summary.items() if k != "history"}))
     log.hparams(step if interrupted else cfg.max_iters, cfg.to_dict())
     log.close()
     return summary
+
+
+def _json_safe(value: object) -> object:
+    """value with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _rng_state(batch_gen: torch.Generator, device: torch.device) -> dict:
@@ -259,18 +282,23 @@ def _rng_state(batch_gen: torch.Generator, device: torch.device) -> dict:
 
 
 def _checkpoint_state(model: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig, corpus: Corpus, step: int,
-                      best_val: float, batch_gen: torch.Generator, device: torch.device) -> dict:
-    """What --resume needs to continue from `step` (the number of optimizer steps taken)."""
+                      best_val: float, batch_gen: torch.Generator, device: torch.device,
+                      history: list[dict]) -> dict:
+    """What --resume needs to continue from `step` (the number of optimizer steps taken), and the
+    evals so far, so that a resumed run's summary.json lists them all."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "model_config": model.config.to_dict(), "config": cfg.to_dict(),
             "vocab": corpus.tokenizer.to_dict(), "step": step, "best_val_loss": best_val,
-            "rng": _rng_state(batch_gen, device)}
+            "rng": _rng_state(batch_gen, device), "history": list(history)}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(help_text())
+        try:
+            print(help_text(), flush=True)
+        except BrokenPipeError:  # `python train.py --help | head`: the reader went away; stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
         cfg, _ = parse_args(argv)

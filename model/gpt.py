@@ -303,8 +303,10 @@ def sample_next(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Draw one token per row from logits (B, V); returns (B, 1) token ids."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):  # NaN fails every comparison: test it first
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)  # greedy
     logits = logits.float() / temperature
@@ -314,8 +316,6 @@ def sample_next(
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         sorted_logits, order = torch.sort(logits, descending=True)  # (B, V)
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)

@@ -148,6 +148,14 @@ def test_more_distinct_symbols_than_uint16_holds_is_refused_before_encoding(path
     ("--learning_rate=-0.001", "learning_rate must be > 0, got -0.001"),
     ("--eval_iters=-5", "eval_iters must be > 0, got -5"),
     ("--warmup_iters=-1", "warmup_iters must be >= 0, got -1"),
+    ("--learning_rate=nan", "learning_rate must be a finite number, got nan"),
+    ("--grad_clip=inf", "grad_clip must be a finite number, got inf"),
+    ("--beta1=1.5", "beta1 must be in [0, 1), got 1.5"),
+    ("--beta2=-1", "beta2 must be in [0, 1), got -1.0"),
+    ("--seed=-1", "seed must be in [0, 2**62], got -1"),
+    ("--seed=18446744073709551615", "seed must be in [0, 2**62], got 18446744073709551615"),
+    ("--device=cuda:x", "device='cuda:x' is not one of auto, cpu, cuda, cuda:N, mps"),
+    ("--device=bogus", "device='bogus' is not one of"),
 ])
 def test_bad_config_value_names_the_key(paths, capsys, override, message):
     corpus, out, cache = paths
@@ -163,6 +171,15 @@ def test_unknown_or_ill_typed_key_in_a_toml_file_names_it(paths, capsys, tmp_pat
         toml.write_text(text)
         rc, err = run_train(capsys, str(toml), *tiny_args(corpus, out, cache))
         assert_refused(rc, err, out, None, message)
+
+
+@pytest.mark.parametrize("field", ["sample_prompt", "attention_prompt"])
+def test_a_tensorboard_prompt_outside_the_vocabulary_is_refused_before_out_dir_is_touched(run_dir, capsys, field):
+    """Checked with the corpus, before config.json or the TensorBoard events of an old run are rewritten."""
+    corpus, out, cache = run_dir
+    before = snapshot(out)
+    rc, err = run_train(capsys, *tiny_args(corpus, out, cache), "--tensorboard=true", f"--{field}=The €")
+    assert_refused(rc, err, out, before, f"config field {field}='The €'", "'€'")
 
 
 def test_cuda_device_without_cuda_is_refused(paths, capsys, monkeypatch):
@@ -211,6 +228,13 @@ def test_resume_from_another_vocabulary_names_the_characters(run_dir, capsys, tm
     rc, err = run_train(capsys, *tiny_args(other, out, cache), "--resume", "--max_iters=6")
     assert_refused(rc, err, out, before, "cannot resume: the checkpoint was trained on another vocabulary",
                    "only in the checkpoint: 'z'", "only in the corpus: 'Z'")
+
+
+def test_resume_past_max_iters_names_both_steps(run_dir, capsys):
+    corpus, out, cache = run_dir  # its checkpoint is at step 4
+    before = snapshot(out)
+    rc, err = run_train(capsys, *tiny_args(corpus, out, cache), "--resume", "--max_iters=3")
+    assert_refused(rc, err, out, before, "is at step 4, past max_iters=3", "--max_iters > 4")
 
 
 def test_resume_continues_from_a_good_checkpoint(run_dir, capsys):
@@ -329,7 +353,12 @@ def test_sample_prompt_characters_outside_the_vocabulary_are_named(run_dir, caps
 @pytest.mark.parametrize("option, message", [
     ("--max_new_tokens=-1", "--max_new_tokens must be >= 0, got -1"),
     ("--num_samples=0", "--num_samples must be >= 1, got 0"),
-    ("--temperature=-0.5", "--temperature must be >= 0"),
+    ("--temperature=-0.5", "--temperature must be a finite number >= 0"),
+    ("--temperature=nan", "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    ("--temperature=inf", "--temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    ("--top_p=nan", "--top_p must be in (0, 1]"),
+    ("--seed=-5", "--seed must be in [0, 2**62], got -5"),
+    ("--device=cuda:x", "device='cuda:x' is not a device name"),
     ("--top_k=-3", "--top_k must be >= 0"),
     ("--top_p=0", "--top_p must be in (0, 1]"),
     ("--device=cuda", "device='cuda' but CUDA is not available"),

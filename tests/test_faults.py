@@ -266,6 +266,45 @@ def test_non_finite_loss_stops_naming_its_step_and_leaves_the_last_checkpoint_un
     assert (out / CKPT_NAME).read_bytes() == good
 
 
+def test_a_non_finite_loss_reaching_an_eval_before_a_log_step_is_named_not_a_traceback(
+        corpus, tmp_path, monkeypatch, capsys):
+    """Step 7's loss is nan; the eval of step 8 comes before the log step 10 and would draw the
+    TensorBoard sample from nan weights: the run stops there, naming step 7."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(GPT, "forward", _forward_poisoned_at(7 + 1, float("nan")))
+    rc = train.main(args(corpus, out, "--max_iters=20", "--log_interval=5", "--eval_interval=4",
+                         "--tensorboard=true", "--sample_tokens=5"))
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "loss is nan at step 7; stopped without saving anything from that step on" in err
+    assert "Traceback" not in err and "probability tensor" not in err
+    assert load_checkpoint(out / CKPT_NAME)["step"] == 4  # the last good eval's save
+
+
+def test_weights_made_non_finite_by_the_last_update_fail_the_run_instead_of_a_nan_summary(
+        corpus, tmp_path, monkeypatch, capsys):
+    """Every loss is finite, but the last optimizer step leaves a nan weight: the final eval sees it,
+    the run exits 1, and no summary.json with NaN in it is written."""
+    from training.optim import AdamW
+
+    real_step, calls = AdamW.step, [0]
+
+    def step(self):
+        real_step(self)
+        calls[0] += 1
+        if calls[0] == 6:
+            self.param_groups[0]["params"][0].data.fill_(float("nan"))
+
+    monkeypatch.setattr(AdamW, "step", step)
+    out = tmp_path / "out"
+    rc = train.main(args(corpus, out, "--max_iters=6", "--eval_interval=3", "--exact_val=true"))
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "the model's weights are no longer finite; stopped without saving" in err
+    assert not (out / "summary.json").exists()
+    assert load_checkpoint(out / CKPT_NAME)["step"] == 3
+
+
 def test_the_first_bad_step_is_kept_without_a_sync_until_poll():
     guard = RunGuard(torch.device("cpu"), "ckpt.pt", announce=False)
     guard.observe(torch.tensor(2.0), 1)

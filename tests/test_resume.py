@@ -63,6 +63,16 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(runs):
         assert summaries["whole"][key] == summaries["resumed"][key], key
 
 
+def test_resumed_summary_lists_every_eval_of_the_run(runs):
+    """summary.json's history after a resume holds the evals before the resumed step too (carried in
+    the checkpoint), with the same losses as the uninterrupted run's."""
+    _, _, summaries = runs
+    evals = {name: [(h["step"], h["train_loss"], h["val_loss"]) for h in summaries[name]["history"]]
+             for name in ("whole", "resumed")}
+    assert [step for step, _, _ in evals["whole"]] == [0, 4, 8]
+    assert evals["resumed"] == evals["whole"]
+
+
 def test_resumed_tensorboard_curves_equal_the_uninterrupted_ones(runs):
     whole, split, _ = runs
     a, b = read_events(whole.out_dir), read_events(split.out_dir)

@@ -127,7 +127,7 @@ def test_characters_stream_out_one_by_one_and_speed_goes_to_stderr(ckpt, capsys)
     assert "tokens/s" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, message", [("--temperature=-1", "--temperature must be >= 0"),
+@pytest.mark.parametrize("flag, message", [("--temperature=-1", "--temperature must be a finite number >= 0"),
                                            ("--top_k=-1", "--top_k must be >= 0"),
                                            ("--top_p=0", r"--top_p must be in \(0, 1\]"),
                                            ("--top_p=1.5", r"--top_p must be in \(0, 1\]")])

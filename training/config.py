@@ -7,6 +7,8 @@ Field names follow nanoGPT's (learning_rate, max_iters, ...) so its command line
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +18,9 @@ from typing import Any
 from model import GPTConfig
 from model.gpt import ATTN_BACKENDS, POS_EMBS
 
+# seeds of derived streams (seed + 1 for evals, seed + rank + world * step under torchrun) must stay
+# inside torch's 64-bit seed range
+MAX_SEED = 2**62
 ATTENTION_PROMPT_CHARS = 32  # default attention prompt: 32 x 32 cells per head stay readable
 
 
@@ -100,6 +105,10 @@ class TrainConfig:
             choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise ValueError(f"config field {f.name}={value!r} is not one of {', '.join(choices)}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"config field {f.name} must be a finite number, got {value!r}")
         positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
                     "max_iters", "learning_rate", "eval_interval", "eval_iters", "log_interval")
         for name in positive:
@@ -111,6 +120,11 @@ class TrainConfig:
                 raise ValueError(f"config field {name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"config field dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"config field {name} must be in [0, 1), got {getattr(self, name)!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"config field seed must be in [0, 2**62], got {self.seed!r}")
         for name in ("cooldown_frac", "muon_momentum"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"config field {name} must be in [0, 1], got {getattr(self, name)!r}")
@@ -118,7 +132,7 @@ class TrainConfig:
             raise ValueError(f"config field n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.min_lr > self.learning_rate:
             raise ValueError(f"config field min_lr={self.min_lr} exceeds learning_rate={self.learning_rate}")
-        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
+        if not (self.device in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ValueError(f"config field device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
 
     def model_config(self, vocab_size: int) -> GPTConfig:

@@ -21,7 +21,10 @@ def resolve_device(name: str) -> torch.device:
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device={name!r} is not a device name; use auto, cpu, cuda, cuda:N or mps") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={name!r} but CUDA is not available on this machine; use --device=cpu")
