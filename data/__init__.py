@@ -1,11 +1,12 @@
 """Text -> tokens -> batches: sources, the character tokenizer, the cached corpus and batching."""
 
 from .corpus import Corpus, check_split_sizes, encode_corpus, eval_windows, get_batch, load_corpus
-from .files import temp_file_beside, write_atomic
+from .files import atomic_file, write_atomic
 from .sources import load_source
 from .tokenizer import CharTokenizer
 
 __all__ = [
+    "atomic_file",
     "CharTokenizer",
     "Corpus",
     "check_split_sizes",
@@ -14,6 +15,5 @@ __all__ = [
     "get_batch",
     "load_corpus",
     "load_source",
-    "temp_file_beside",
     "write_atomic",
 ]

@@ -1,38 +1,57 @@
-"""Files that are never seen half-written: a temporary file beside the target, then an atomic rename."""
+"""Files that are never seen half-written: a temporary file beside the target, then an atomic rename.
+
+One writer for all of them: the checkpoint (streamed by torch.save, fsync'ed), config.json,
+summary.json, the encoded corpus cache and the Tiny Shakespeare download.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
-def temp_file_beside(path: str | Path, prefix: str | None = None) -> tuple[int, str]:
-    """mkstemp in path's directory, named `.NAME.*.tmp` (or prefix*), with the permissions a plain
-    open() would give (0666 minus the umask) rather than mkstemp's owner-only 0600: the file is
-    renamed over `path` and should be as readable as any other file the user writes there.
-    Returns (fd, temporary path)."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path, fsync: bool = False, prefix: str | None = None) -> Iterator[BinaryIO]:
+    """Open a temporary file beside `path` for binary writing; when the block ends without an
+    exception, rename it over `path` (atomic within a filesystem). A reader, or a crash at any
+    moment, sees the old file or the new one, never a torn one; a failed write removes the
+    temporary file and leaves the old file as it was.
+
+    Args:
+        path: the file to (re)place.
+        fsync: flush the bytes to the disk before the rename (for files a power loss must not cost).
+        prefix: name the temporary file prefix* instead of `.NAME.*.tmp` (the pattern that
+            training.checkpoint.remove_partial_saves tidies).
+    Yields:
+        the temporary file, open for writing.
+    """
     path = Path(path)
     if prefix is None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     else:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix)
+    # mkstemp creates 0600; give what a plain open() would (0666 minus the umask), so a checkpoint or
+    # a shared cache_dir is as readable as any other file the user writes there
     umask = os.umask(0)  # reading the umask means setting it; put it straight back
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)
-    return fd, tmp
-
-
-def write_atomic(path: str | Path, data: bytes | memoryview) -> None:
-    """Write data to path through a temporary file in the same directory and an atomic rename: a
-    reader, or a crash at any moment, sees the old file or the new one, never a torn one. A failed
-    write removes its temporary file and leaves the old file as it was."""
-    path = Path(path)
-    fd, tmp = temp_file_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: str | Path, data: bytes | memoryview) -> None:
+    """Write data to path through atomic_file: the old file or the new one, never a torn one."""
+    with atomic_file(path) as f:
+        f.write(data)

@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import temp_file_beside
+from .files import atomic_file
 
 # The file nanoGPT's shakespeare_char/prepare.py downloads, and its fingerprint.
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -90,17 +90,11 @@ def _download(url: str, target: Path) -> None:
             total = int(resp.headers.get("Content-Length") or 0) or None
             from tqdm import tqdm
 
-            fd, tmp = temp_file_beside(target, prefix=".download-")
-            try:
-                with os.fdopen(fd, "wb") as f, tqdm(total=total, unit="B", unit_scale=True,
-                                                    desc="download", file=sys.stderr) as bar:
-                    while chunk := resp.read(1 << 16):
-                        f.write(chunk)
-                        bar.update(len(chunk))
-                os.replace(tmp, target)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            with atomic_file(target, prefix=".download-") as f, tqdm(total=total, unit="B", unit_scale=True,
+                                                                    desc="download", file=sys.stderr) as bar:
+                while chunk := resp.read(1 << 16):
+                    f.write(chunk)
+                    bar.update(len(chunk))
     except (urllib.error.URLError, TimeoutError, OSError) as e:
         raise ConnectionError(
             f"could not download Tiny Shakespeare from {url} ({e}). Offline? Pass a local copy "

@@ -5,7 +5,8 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts:
     format    "gpt-char-ckpt/1", so a file that is not ours is recognised
     model     state_dict of the uncompiled, unwrapped module (no "_orig_mod." prefixes)
     model_config, config, vocab   plain dicts (GPTConfig, TrainConfig, CharTokenizer)
-    optimizer, step, best_val_loss, rng, tb_step   what --resume needs to continue the same run
+    optimizer, step, best_val_loss, rng   what --resume needs to continue the same run
+    history   the evals so far, so that a resumed run's summary.json lists them all
     interrupted   the signal name, only in a checkpoint saved when a signal stopped the run
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from data import CharTokenizer, temp_file_beside
+from data import CharTokenizer, atomic_file
 from model import GPT, GPTConfig
 
 FORMAT = "gpt-char-ckpt/1"
@@ -41,19 +42,12 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
         OSError: the write failed (e.g. disk full); the message says the previous checkpoint is intact.
     """
     path = Path(path)
-    fd, tmp = temp_file_beside(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(path, fsync=True) as f:
             torch.save({"format": FORMAT, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise OSError(e.errno, f"could not write checkpoint {path}: {e.strerror or e}; the previous "
-                                   f"checkpoint there (if any) is intact") from e
-        raise
+    except OSError as e:
+        raise OSError(e.errno, f"could not write checkpoint {path}: {e.strerror or e}; the previous "
+                               f"checkpoint there (if any) is intact") from e
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable
