@@ -50,3 +50,22 @@ def test_exact_loss_scores_every_target_once_from_its_window(model_and_splits):
             count += y.size(1)
     assert count == len(data) - 1
     assert exact_loss(model, data, T, 4, "cpu") == pytest.approx(total / count, abs=1e-6)
+
+
+class _Failing(torch.nn.Module):
+    def forward(self, idx, targets=None):
+        assert not self.training, "evaluated in training mode"
+        raise RuntimeError("out of memory (pretend)")
+
+
+@pytest.mark.parametrize("evaluate", ["estimate", "exact"])
+def test_a_failed_evaluation_puts_the_model_back_in_training_mode(evaluate):
+    """Dropout must not stay off after an eval that raised (evaluating() restores the mode)."""
+    model = _Failing().train()
+    data = torch.arange(100) % 7
+    with pytest.raises(RuntimeError, match="pretend"):
+        if evaluate == "estimate":
+            estimate_loss(model, {"val": data}, 2, 8, 1, 0, "cpu")
+        else:
+            exact_loss(model, data, 8, 2, "cpu")
+    assert model.training

@@ -1,7 +1,8 @@
 """One logging path for a run: the progress bar (or plain lines), and TensorBoard events.
 
 TensorBoard (`tensorboard --logdir out`) gets, in the run's out_dir:
-    scalars   train/loss, train/loss_estimate, val/loss, val/loss_exact, lr, grad_norm, tokens_per_second
+    scalars   train/loss, train/loss_estimate, val/loss, val/loss_exact, lr, grad_norm, tokens_per_second,
+              mfu (where the device's peak is known)
     text      "sample": a continuation of a fixed prompt at every eval, so quality can be read over time
     images    "attention/layer_L": the attention weights of a fixed prompt, one tile per head, every eval
     hparams   the resolved config as one session, at the end; the HParams tab shows it next to the last
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,7 +25,11 @@ from data import CharTokenizer, Corpus
 from model import GPT
 
 from .config import ATTENTION_PROMPT_CHARS, TrainConfig
+from .evaluate import evaluating
 from .visualize import prompt_attention, render_attention
+
+if TYPE_CHECKING:  # imported lazily at run time (see RunLog.writer)
+    from torch.utils.tensorboard import SummaryWriter
 
 
 class RunLog:
@@ -38,6 +43,14 @@ class RunLog:
 
     def __init__(self, out_dir: str | Path, total: int, initial: int, tensorboard: bool,
                  enabled: bool = True) -> None:
+        """Args:
+            out_dir: where the TensorBoard event files go.
+            total: the run's last step (max_iters), the bar's end.
+            initial: the first step of this process (> 0 when resumed): the bar starts there, and
+                TensorBoard drops earlier files' points from it on.
+            tensorboard: write event files at all.
+            enabled: False for a silent log (see above).
+        """
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self.tensorboard = tensorboard and enabled
@@ -49,7 +62,8 @@ class RunLog:
                         disable=not self.interactive, file=sys.stderr)
 
     @property
-    def writer(self):
+    def writer(self) -> SummaryWriter:
+        """The TensorBoard writer, created (and tensorboard imported) on first use."""
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter  # lazy: ~0.3 s of imports
 
@@ -79,6 +93,7 @@ class RunLog:
                   f"{tok_per_s:10,.0f} tok/s", flush=True)
 
     def advance(self, n: int = 1) -> None:
+        """Move the progress bar n steps on."""
         self.bar.update(n)
 
     def line(self, text: str) -> None:
@@ -133,16 +148,15 @@ class RunLog:
             device = next(model.parameters()).device
             gen = torch.Generator(device=device).manual_seed(cfg.seed)
             idx = torch.tensor([sample_ids], dtype=torch.long, device=device)
-            was_training, threads = model.training, torch.get_num_threads()
-            model.eval()
+            threads = torch.get_num_threads()
             if device.type == "cpu":
                 # one token at a time is latency-bound: extra threads only wait for each other, and on
                 # a busy machine that made the sample 10x slower (measured: 1.6-2.0 s vs 0.15-0.27 s)
                 torch.set_num_threads(1)
             try:
-                new = [int(t) for t in model.stream(idx, cfg.sample_tokens, temperature=1.0, generator=gen)]
+                with evaluating(model):
+                    new = [int(t) for t in model.stream(idx, cfg.sample_tokens, temperature=1.0, generator=gen)]
             finally:
-                model.train(was_training)
                 torch.set_num_threads(threads)
             self.text(step, "sample", tok.decode(sample_ids) + tok.decode(new))
         maps = prompt_attention(model, attention_ids)
@@ -167,6 +181,7 @@ class RunLog:
         writer.add_summary(torch_hparams(hparams, {})[2], step)  # session end: status success
 
     def close(self) -> None:
+        """Close the progress bar and flush and close the TensorBoard writer."""
         self.bar.close()
         if self._writer is not None:
             self._writer.flush()

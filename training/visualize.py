@@ -20,6 +20,8 @@ from torch import Tensor
 
 from model import GPT
 
+from .evaluate import evaluating
+
 EMPTY = (255, 255, 255)  # weight exactly 0: a masked (or fully ignored) key
 LOW = (198, 219, 239)  # the smallest positive weight
 HIGH = (8, 48, 107)  # weight 1
@@ -42,10 +44,12 @@ class Layout:
 
     @property
     def tile_w(self) -> int:
+        """Width of one head's tile in pixels: query labels, then T cells."""
         return self.label + self.T * self.cell
 
     @property
     def tile_h(self) -> int:
+        """Height of one head's tile in pixels: title, key labels, then T cells."""
         return self.title + self.label + self.T * self.cell
 
     @property
@@ -153,12 +157,8 @@ def prompt_attention(model: GPT, ids: Sequence[int]) -> list[Tensor]:
         raise ValueError(f"an attention prompt needs 1..block_size={model.config.block_size} tokens, "
                          f"got {len(ids)}")
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         maps = model.attention_maps(torch.tensor([list(ids)], dtype=torch.long, device=device))
-    finally:
-        model.train(was_training)
     return [m[0].float().cpu() for m in maps]  # batch item 0: (H, T, T) per layer
 
 
