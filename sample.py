@@ -28,6 +28,7 @@ from training.visualize import prompt_attention, save_attention_png
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """sample.py's options (--help prints them with their defaults)."""
     p = argparse.ArgumentParser(
         description="Continue a prompt with a trained character-level GPT.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -146,6 +147,7 @@ def sample(args: argparse.Namespace, out: TextIO | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command-line entry: returns the exit status (0 ok, 1 a refused option or input)."""
     args = build_parser().parse_args(argv)
     try:
         if args.attention_png:

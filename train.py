@@ -46,6 +46,12 @@ from training import (
 from training.distributed import Dist, close_distributed, init_distributed
 from training.faults import RunGuard, exit_code, signal_name
 from training.monitor import RunLog, resolve_prompts
+from training.optim import ParamGroupOptimizer
+
+# Inference-only forwards (loss estimates, the exact val loss) take ~4k tokens at a time: fewer calls
+# than the training batch, while tensors stay small enough to be reused rather than freshly mapped
+# (measured fastest on a CPU; benchmarks/RESULTS.md).
+EVAL_TOKENS_PER_FORWARD = 4096
 
 
 def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
@@ -54,6 +60,11 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     Under torchrun this process is one rank of a DistributedDataParallel job (training/distributed.py);
     a plain run never creates a process group. SIGINT/SIGTERM handlers are installed for the loop
     only, and the previous ones are back when this returns (training/faults.py).
+
+    Args:
+        cfg: the run's configuration.
+        argv: the command line it came from, recorded in config.json (None: not from a command line).
+        verbose: print progress and write TensorBoard events (False: a silent run, as in tests).
     """
     dist = init_distributed(os.environ, cfg.device)
     guard = RunGuard(dist.device, Path(cfg.out_dir) / CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
@@ -103,7 +114,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         model, _ = model_from_checkpoint(ckpt, device, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
     else:
         model = GPT(cfg.model_config(vocab_size)).to(device)
-    optimizer = configure_optimizer(model, cfg, device.type)
+    optimizer = configure_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     start_step, best_val, history = 0, math.inf, []  # history: one entry per eval
     if ckpt is not None:
@@ -142,7 +153,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     flops_per_token, peak = model.flops_per_token(cfg.block_size), peak_flops(device, cfg.peak_tflops)
     splits = {"train": train_data, "val": val_data}
     # batches per eval forward: ~4k tokens at a time, except compiled (one shape, no recompile)
-    eval_group = 1 if use_compile else max(1, 4096 // (cfg.batch_size * cfg.block_size))
+    eval_group = 1 if use_compile else max(1, EVAL_TOKENS_PER_FORWARD // (cfg.batch_size * cfg.block_size))
     train_seconds, steps_done, last_val, mfu = 0.0, 0, math.nan, None
     interval_ms, last_log = [], (0, 0.0)  # ms/step per log interval
     t_mark = time.perf_counter()
@@ -199,7 +210,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         log_step = step % cfg.log_interval == 0 or step == cfg.max_iters - 1
         stop_signal = guard.poll(step, sync=log_step)  # raises on a non-finite loss since the last check
         if log_step:
-            loss_f = loss.item()  # the only sync of a training step, and only on log steps
+            loss_f = loss.item()  # host syncs (here, in guard.poll, grad_norm) happen on log steps only
             elapsed = train_seconds + time.perf_counter() - t_mark
             tok_s = steps_done * tokens_per_step / max(elapsed, 1e-9)
             interval_ms.append(1000 * (elapsed - last_log[1]) / (steps_done - last_log[0]))
@@ -227,9 +238,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
                  "run the same command with --resume to continue")
 
     # --- the exact val loss over the whole split, and the summary -----------------------------
-    # inference only, so ~4k tokens per forward: fewer calls than the training batch, while tensors
-    # stay small enough to be reused rather than freshly mapped (measured fastest on a CPU)
-    eval_batch = max(cfg.batch_size, 4096 // cfg.block_size)
+    eval_batch = max(cfg.batch_size, EVAL_TOKENS_PER_FORWARD // cfg.block_size)  # windows per forward
     final_val = exact_loss(model, val_data, cfg.block_size, eval_batch, device, autocast) \
         if cfg.exact_val and not interrupted and dist.is_main else None
     if final_val is not None:
@@ -281,7 +290,7 @@ def _rng_state(batch_gen: torch.Generator, device: torch.device) -> dict:
     return state
 
 
-def _checkpoint_state(model: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig, corpus: Corpus, step: int,
+def _checkpoint_state(model: GPT, optimizer: ParamGroupOptimizer, cfg: TrainConfig, corpus: Corpus, step: int,
                       best_val: float, batch_gen: torch.Generator, device: torch.device,
                       history: list[dict]) -> dict:
     """What --resume needs to continue from `step` (the number of optimizer steps taken), and the
@@ -293,6 +302,7 @@ def _checkpoint_state(model: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command-line entry: returns the exit status (0 done, 1 an error, 128 + N stopped by signal N)."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         try:

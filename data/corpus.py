@@ -89,7 +89,8 @@ def load_corpus(dataset: str, cache_dir: str | os.PathLike = "data_cache", split
     """Load a corpus by the config's `dataset` value, from the encoded cache when it is current.
 
     The cache entry is keyed by the source's content hash, so a second run skips encoding and an
-    edited file is re-encoded. Layout: cache_dir/encoded/KEY/{train.bin, val.bin, vocab.json}.
+    edited file is re-encoded. Layout: cache_dir/encoded/KEY-vN/{train.bin, val.bin, vocab.json}
+    (KEY: the first 32 characters of the source's content key; N: the cache format version).
     """
     src = load_source(dataset, cache_dir, split, text_column)
     entry = Path(cache_dir) / "encoded" / f"{src.key[:32]}-v{_CACHE_VERSION}"

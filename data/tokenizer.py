@@ -8,7 +8,7 @@ import numpy as np
 
 
 class CharTokenizer:
-    """Maps characters to ids 0..V-1 in sorted order of the characters."""
+    """Maps characters to ids 0..V-1 in the order given (from_text sorts them, as nanoGPT does)."""
 
     def __init__(self, chars: Iterable[str]) -> None:
         chars = list(chars)
@@ -28,6 +28,7 @@ class CharTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """V, the number of distinct characters (ids are 0..V-1)."""
         return len(self.chars)
 
     def encode(self, text: str) -> list[int]:
@@ -63,6 +64,7 @@ class CharTokenizer:
 
     @classmethod
     def from_dict(cls, d: dict) -> CharTokenizer:
+        """The tokenizer to_dict described; raises ValueError on anything else."""
         if not isinstance(d, dict) or not isinstance(d.get("chars"), list):
             raise ValueError("a tokenizer dict needs a 'chars' list")
         return cls(d["chars"])

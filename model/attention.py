@@ -8,6 +8,7 @@ Shape glossary (used in every shape comment of this package):
     C   embedding width (n_embd)
     H   number of heads (n_head)
     D   width of one head, C // H
+    Dv  width of one head's values (= D here; kept apart where only the shapes' roles matter)
     V   vocabulary size
 
 `attention` is the whole mechanism in five visible steps; `causal_mask` decides which key each
@@ -17,6 +18,7 @@ query may read; `CausalSelfAttention` wraps them with the projections and head b
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +29,9 @@ __all__ = ["attention", "causal_mask", "combine_masks", "apply_rope", "CausalSel
 
 
 def dropout_layer(p: float) -> nn.Module:
-    """nn.Dropout(p), or nn.Identity when p == 0: the same function, minus a module call per use
-    (a one-token decoding step is mostly such per-call overhead)."""
+    """nn.Dropout(p), or nn.Identity when p == 0: the same function, but Identity hands its input
+    straight back where Dropout(0) still calls the dropout op (a one-token decoding step is mostly
+    such per-call overhead)."""
     return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
@@ -101,9 +104,9 @@ def attention(
     # 1. similarity of every query with every key, scaled so the logits' variance stays ~1
     scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, Tq, Tk)
     if allowed is not None:
-        # 4. checked first: a row with nothing allowed would silently become NaN below.
+        # (a check first: a row with nothing allowed would silently become NaN below.
         # Under torch.compile the data-dependent check would break the graph; the masks the model
-        # builds always keep the diagonal, so it is only skipped there.
+        # builds always keep the diagonal, so it is only skipped there.)
         if not torch.compiler.is_compiling() and not bool(allowed.any(dim=-1).all()):
             raise ValueError("attention: a query row has no allowed key; every query must see >= 1 key")
         # 2. mask BEFORE the softmax: -inf becomes exactly 0 weight, and the row renormalises
@@ -114,7 +117,7 @@ def attention(
     weights = weights.to(q.dtype)  # (B, H, Tq, Tk)
     dropped = weights
     if dropout_p > 0.0:
-        # dropout acts on weights that are already masked, so it can only zero a weight, never
+        # 4. dropout acts on weights that are already masked, so it can only zero a weight, never
         # re-admit a masked key
         keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= dropout_p
         dropped = weights * keep / (1.0 - dropout_p)
@@ -142,7 +145,7 @@ def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
     return torch.view_as_real(z * freqs).reshape(x.shape).to(x.dtype)
 
 
-def fused_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
     """PyTorch's fused scaled_dot_product_attention (the sdpa backend): q (B, H, Tq, D), k and v
     (B, H, Tk, D) -> (B, H, Tq, D), in q's dtype; kwargs go to F.scaled_dot_product_attention.
 
@@ -163,7 +166,9 @@ class KVCache:
     concatenating (which would copy the whole history every token).
     """
 
-    def __init__(self, n_layer: int, B: int, H: int, max_len: int, D: int, device, dtype) -> None:
+    def __init__(self, n_layer: int, B: int, H: int, max_len: int, D: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        """Room for max_len positions of (B, H, ·, D) keys and values in each of n_layer layers."""
         self.k = [torch.empty(B, H, max_len, D, device=device, dtype=dtype) for _ in range(n_layer)]
         self.v = [torch.empty(B, H, max_len, D, device=device, dtype=dtype) for _ in range(n_layer)]
         self.max_len = max_len
@@ -188,6 +193,13 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, backend: str,
                  qk_norm: bool = False) -> None:
+        """Args:
+            n_embd: C, the input and output width; n_head: H, heads of width D = C // H.
+            dropout: on the attention weights and the output (training only).
+            bias: biases in the qkv and output projections.
+            backend: "manual" or "sdpa", as above.
+            qk_norm: RMS-normalise q and k per head before the scores.
+        """
         super().__init__()
         self.n_head = n_head
         self.backend = backend

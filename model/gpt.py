@@ -61,6 +61,7 @@ class GPTConfig:
                              f"n_embd // n_head = {self.n_embd // self.n_head}")
 
     def to_dict(self) -> dict:
+        """The fields as a plain dict (what a checkpoint stores as model_config)."""
         return asdict(self)
 
 

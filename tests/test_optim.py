@@ -53,11 +53,11 @@ def test_adamw_matches_torch_adamw(fused):
 
 def test_optimizer_state_round_trips_through_state_dict():
     model = _model()
-    opt = configure_optimizer(model, TrainConfig(learning_rate=1e-3), "cpu")
+    opt = configure_optimizer(model, TrainConfig(learning_rate=1e-3))
     _train(model, opt, 3)
     copy = _model()
     copy.load_state_dict(model.state_dict())
-    opt2 = configure_optimizer(copy, TrainConfig(learning_rate=1e-3), "cpu")
+    opt2 = configure_optimizer(copy, TrainConfig(learning_rate=1e-3))
     opt2.load_state_dict(opt.state_dict())
     _train(model, opt, 2)
     _train(copy, opt2, 2)
@@ -70,7 +70,7 @@ def test_muon_orthogonalizes_and_trains():
     assert s.min() > 0.5 and s.max() < 1.3  # every direction moves by about the same amount
     assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 2  # and the input was not already
     model = _model()
-    opt = configure_optimizer(model, TrainConfig(optimizer="muon", learning_rate=3e-3), "cpu")
+    opt = configure_optimizer(model, TrainConfig(optimizer="muon", learning_rate=3e-3))
     losses = _train(model, opt, 30)
     assert losses[-1] < losses[0] - 0.3
 
@@ -79,8 +79,8 @@ def test_training_never_imports_the_compiler_stack():
     """torch.optim's first use imports torch._dynamo (about 1 s, 60 MB): our optimizers avoid it."""
     code = ("import sys, torch; sys.path.insert(0, '.');"
             "from tests.test_optim import _model, _train; from training import TrainConfig, configure_optimizer;"
-            "m = _model(); _train(m, configure_optimizer(m, TrainConfig(), 'cpu'), 2);"
-            "m = _model(); _train(m, configure_optimizer(m, TrainConfig(optimizer='muon'), 'cpu'), 2);"
+            "m = _model(); _train(m, configure_optimizer(m, TrainConfig()), 2);"
+            "m = _model(); _train(m, configure_optimizer(m, TrainConfig(optimizer='muon')), 2);"
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
@@ -90,7 +90,7 @@ def test_grad_scaler_drives_our_optimizers_in_float16():
     """--dtype=float16 runs through torch.amp.GradScaler, which expects torch.optim's interface."""
     for name in ("adamw", "muon"):
         model = _model()
-        opt = configure_optimizer(model, TrainConfig(optimizer=name, learning_rate=3e-3), "cpu")
+        opt = configure_optimizer(model, TrainConfig(optimizer=name, learning_rate=3e-3))
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         before = [p.detach().clone() for p in model.parameters()]
         x = torch.randint(17, (4, 8), generator=torch.Generator().manual_seed(0))

@@ -142,9 +142,11 @@ class TrainConfig:
                          attn_backend=self.attn_backend, pos_emb=self.pos_emb, qk_norm=self.qk_norm)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (config.json, the checkpoint's config, TensorBoard hparams)."""
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed, validated like a new config."""
         return dataclasses.replace(self, **changes)
 
 

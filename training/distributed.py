@@ -24,7 +24,7 @@ from .runtime import resolve_device
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Dist:
     """Where this process stands: rank `rank` of `world_size` (a plain run is rank 0 of 1)."""
 
@@ -137,7 +137,7 @@ def init_distributed(env: Mapping[str, str], device_name: str) -> Dist:
 
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                             **({"device_id": device} if device.type == "cuda" else {}))
-    return Dist(rank, local_rank, world_size, device, enabled=True)
+    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=device, enabled=True)
 
 
 def close_distributed(dist_info: Dist) -> None:

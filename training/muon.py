@@ -49,7 +49,7 @@ class Muon(ParamGroupOptimizer):
     """Muon for param groups with use_muon=True, AdamW for the others.
 
     Muon groups: lr, momentum, weight_decay. AdamW groups: lr, betas, eps, weight_decay.
-    Every group may carry base_lr, the lr the schedule multiplies (train.py sets lr from it).
+    Every group needs base_lr, the lr the schedule multiplies (training.optim.set_lr sets lr from it).
     """
 
     def __init__(self, groups: list[dict], lr: float = 0.02, momentum: float = 0.95,
@@ -62,6 +62,7 @@ class Muon(ParamGroupOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
+        """One update of every parameter with a gradient: Muon in use_muon groups, AdamW elsewhere."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not group["use_muon"]:

@@ -4,7 +4,8 @@ The optimizers are small classes of our own rather than torch.optim subclasses: 
 torch.optim optimizer imports PyTorch's compiler stack (torch._dynamo), which costs about 1 s and
 60 MB of resident memory on a CPU, a good part of a short run. AdamW runs PyTorch's own fused
 kernel, the one torch.optim.AdamW(fused=True) calls, so the update is bit-identical to it
-(tests/test_optim.py); where that kernel is missing, an explicit per-tensor loop does the same.
+(tests/test_optim.py); where that kernel is missing (an older torch, an MPS device), an explicit
+per-tensor loop does the same.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from torch import Tensor, nn
 
 from .config import TrainConfig
 
+# PyTorch's fused AdamW kernel exists for CUDA and (from torch 2.4) CPU tensors; elsewhere (MPS) the
+# per-tensor loop below runs instead
 FUSED_ADAMW = hasattr(torch, "_fused_adamw_")
+FUSED_DEVICES = ("cpu", "cuda")
 
 
 class ParamGroupOptimizer:
@@ -30,6 +34,7 @@ class ParamGroupOptimizer:
         self.state: dict[Tensor, dict[str, Any]] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every parameter's gradient (set_to_none, the default and the cheaper) or zero it."""
         for group in self.param_groups:
             for p in group["params"]:
                 if set_to_none:
@@ -38,6 +43,7 @@ class ParamGroupOptimizer:
                     p.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
+        """{"state": {param index: {name: tensor or number}}, "param_groups": [... "params": [indices]]}."""
         index: dict[int, int] = {}
         groups = []
         for g in self.param_groups:
@@ -46,6 +52,8 @@ class ParamGroupOptimizer:
         return {"state": {index[id(p)]: dict(s) for p, s in self.state.items()}, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what state_dict returned, onto this optimizer's parameters (same groups, same order);
+        raises ValueError when the group sizes differ."""
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("optimizer state does not match the model's parameters (group sizes differ)")
@@ -68,6 +76,7 @@ class AdamW(ParamGroupOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
+        """One AdamW update of every parameter that has a gradient, group by group."""
         for group in self.param_groups:
             adamw_update([p for p in group["params"] if p.grad is not None], group, self.state, self.fused)
 
@@ -87,7 +96,7 @@ def adamw_update(params: list[Tensor], group: dict, state: dict, fused: bool = F
     grads = [p.grad for p in params]
     (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
     torch._foreach_add_(steps, 1)
-    if fused:
+    if fused and params[0].device.type in FUSED_DEVICES:
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
         return
@@ -131,11 +140,11 @@ def set_lr(optimizer: ParamGroupOptimizer, step: int, cfg: TrainConfig) -> float
     return lr
 
 
-def configure_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> ParamGroupOptimizer:
+def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> ParamGroupOptimizer:
     """AdamW with weight decay on 2-D weights (matmuls, embeddings) only, never on biases or norms;
     or, with optimizer = "muon", Muon for the 2-D matrices inside the blocks and AdamW for the rest.
 
-    AdamW runs PyTorch's fused kernel (one kernel for all parameters of a group).
+    AdamW runs PyTorch's fused kernel (one kernel for all parameters of a group) on CPU and CUDA.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.optimizer == "muon":
