@@ -65,7 +65,7 @@ class RunLog:
     def writer(self) -> SummaryWriter:
         """The TensorBoard writer, created (and tensorboard imported) on first use."""
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter  # lazy: ~0.3 s of imports
+            from torch.utils.tensorboard import SummaryWriter  # lazy: ~0.1 s of imports after torch's
 
             # purge_step: TensorBoard drops points at steps >= initial from earlier event files here
             self._writer = SummaryWriter(log_dir=str(self.out_dir), purge_step=self.initial)
@@ -73,7 +73,7 @@ class RunLog:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Write each name -> value to TensorBoard at this step, as one event (add_scalar would write
-        one event per value: 4x the cost on a run that logs every step)."""
+        one event per value: ~3x the cost for four values; benchmarks/micro.py)."""
         if self.tensorboard:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -113,8 +113,8 @@ class RunLog:
         """An (height, width, 3) uint8 RGB image.
 
         Encoded to PNG here and written as the same image summary add_image writes: add_image first
-        converts the whole image to float32, a transient of 12+ MB per image that set the run's
-        peak memory.
+        converts the whole image to float32, a transient of ~11 MB for a laptop-recipe image
+        (benchmarks/micro.py) that set the run's peak memory.
         """
         if self.tensorboard:
             import io
@@ -123,7 +123,7 @@ class RunLog:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
             png = io.BytesIO()
-            Image.fromarray(image).save(png, format="PNG", compress_level=1)  # 1.5x faster than level 6
+            Image.fromarray(image).save(png, format="PNG", compress_level=1)  # 1.3x faster than level 6 (micro.py)
             h, w, c = image.shape
             value = Summary.Value(tag=tag, image=Summary.Image(height=h, width=w, colorspace=c,
                                                                encoded_image_string=png.getvalue()))
@@ -151,7 +151,8 @@ class RunLog:
             threads = torch.get_num_threads()
             if device.type == "cpu":
                 # one token at a time is latency-bound: extra threads only wait for each other, and on
-                # a busy machine that made the sample 10x slower (measured: 1.6-2.0 s vs 0.15-0.27 s)
+                # a machine whose cores are busy that made the sample slower and erratic (benchmarks/micro.py:
+                # 0.11 s median, up to 1.4 s, on two threads vs 0.07 s on one; idle, the two are equal)
                 torch.set_num_threads(1)
             try:
                 with evaluating(model):
