@@ -163,8 +163,10 @@ def test_a_second_ctrl_c_exits_at_once_leaving_the_last_checkpoint(corpus, tmp_p
     saved_before = (out / CKPT_NAME).read_bytes()
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGINT)
-    proc.join(timeout=10)
-    assert proc.exitcode == 130 and time.monotonic() - t0 < 5, log.read_text()
+    # "at once" = long before the 60 s the save hangs for; generous, as a loaded CI machine can take
+    # seconds to tear the process down (5 s was exceeded under load)
+    proc.join(timeout=40)
+    assert proc.exitcode == 130 and time.monotonic() - t0 < 30, log.read_text()
     assert "interrupted: exited at once without saving" in log.read_text()
     assert (out / CKPT_NAME).read_bytes() == saved_before and temp_files(out) == set()
     assert not (out / "summary.json").exists()
