@@ -1,7 +1,8 @@
 """Text -> encoded train/val splits (cached on disk) -> random (x, y) batches.
 
-The label shift happens here and only here: y is x moved one token to the left, so y[:, t] is the
-token that follows x[:, t]. The model scores position t against y[:, t] without shifting again.
+The label shift happens here and only here, in inputs_and_targets: y is x moved one token to the
+left, so y[:, t] is the token that follows x[:, t]. Training batches and the exact val loss both cut
+their windows with it; the model scores position t against y[:, t] without shifting again.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def get_batch(
         device: where x and y go.
     Returns:
         x: (B, T) int64, x[b] = data[i : i + T].
-        y: (B, T) int64, y[b] = data[i + 1 : i + 1 + T]  <- the one and only label shift.
+        y: (B, T) int64, y[b] = data[i + 1 : i + 1 + T]  <- the label shift (inputs_and_targets).
     """
     n = len(data)
     if n < block_size + 1:
@@ -146,8 +147,14 @@ def get_batch(
         offsets = torch.randint(n - block_size, (batch_size,), generator=generator)
         idx = offsets.numpy()[:, None] + np.arange(block_size + 1)
         chunk = torch.from_numpy(data[idx].astype(np.int64))  # (B, T + 1)
-    chunk = chunk.to(device, non_blocking=True)
-    return chunk[:, :-1], chunk[:, 1:]  # x (B, T), y (B, T)
+    return inputs_and_targets(chunk.to(device, non_blocking=True))
+
+
+def inputs_and_targets(windows: Tensor) -> tuple[Tensor, Tensor]:
+    """The label shift, the one place it happens: windows (B, T + 1) of consecutive tokens ->
+    x = windows[:, :-1] (B, T) and y = windows[:, 1:] (B, T), so y[:, t] is the token after x[:, t].
+    get_batch (training, loss estimates) and exact_loss (the exact val loss) both cut here."""
+    return windows[:, :-1], windows[:, 1:]
 
 
 def eval_windows(data: np.ndarray | Tensor, block_size: int) -> list[tuple[int, int]]:

@@ -128,6 +128,22 @@ def check_attention_weights(T: int = 7, seed: int = 0) -> Check:
     return Check("attention: weights", quiet < 1e-12 and _max(w[..., future]) == 0 and fired > 0, quiet, fired)
 
 
+def check_attention_extreme_scores(scale: float = 1e150) -> Check:
+    """A masked key gets weight exactly 0 however far its score rises above the allowed ones: query 0
+    may read only key 0, at score -scale**2, while keys 1.. score +scale**2. With -inf in the masked
+    places that is still weight 1 on key 0; any finite fill value (-1e4, -1e9, ...) sits above
+    -scale**2 and hands query 0's attention to the future."""
+    T = 4
+    q = torch.full((1, 1, T, 1), scale, dtype=torch.float64)
+    k = torch.full((1, 1, T, 1), scale, dtype=torch.float64)
+    k[..., 0, 0] = -scale
+    v = torch.randn(1, 1, T, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    _, w = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
+    quiet = _max(w[0, 0, 0, 1:])  # query 0's weight on future keys
+    fired = w[0, 0, 0, 0].item()  # its weight on its own key: must be all of it
+    return Check("attention: extreme scores", quiet == 0.0 and fired == 1.0, quiet, fired)
+
+
 def check_attention_gradients(T: int = 6, seed: int = 0) -> Check:
     """d out[t] / d (k, v)[s] is exactly 0 for s > t, non-zero for s = t and for some s < t.
 
@@ -322,6 +338,32 @@ def check_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray, seed:
     return Check("loss: CE against the next token", quiet < 1e-9 and fired > 1e-6, quiet, fired)
 
 
+def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray) -> Check:
+    """The exact loss (training.exact_loss, the final_val_loss of every run) equals the mean CE of
+    every corpus token after the first, predicted from the tokens before it in its block_size window,
+    recomputed here window by window from the corpus (not from the code's windows or shift)."""
+    from training import exact_loss
+
+    T, n = model.config.block_size, len(corpus)
+    tokens = torch.from_numpy(corpus.astype(np.int64))
+    with torch.no_grad():
+        def by_hand(shift: int) -> float:
+            losses = []
+            for s in range(0, n - 1, T):
+                length = min(T, n - 1 - s)
+                logits, _ = model(tokens[s:s + length][None])
+                targets = tokens[s + shift:s + shift + length]
+                losses.append(-torch.log_softmax(logits[0], -1).gather(-1, targets[:, None]))
+            return torch.cat(losses).mean().item()
+
+        got = exact_loss(model, corpus, T, 3, "cpu")
+        quiet = abs(got - by_hand(1))
+        fired = abs(got - by_hand(0))  # positive control: the unshifted targets give another number
+    # exact_loss takes the cross-entropy of float32 logits (as in training): agreement to ~1e-7, while a
+    # wrong shift moves the loss by ~0.1
+    return Check("loss: exact val against the next token", quiet < 1e-6 and fired > 1e-3, quiet, fired)
+
+
 # --- everything at once --------------------------------------------------------------------------
 
 def run_check(name: str, fn: Callable[..., Check], *args) -> Check:
@@ -349,6 +391,7 @@ def all_checks() -> list[Check]:
     """Every check, on both backends, on re-drawn random models. The mutation meta-tests run this."""
     checks = [run_check("attention: future perturbation", check_attention_future_perturbation),
               run_check("attention: weights", check_attention_weights),
+              run_check("attention: extreme scores", check_attention_extreme_scores),
               run_check("attention: gradients", check_attention_gradients),
               run_check("attention: half precision", check_attention_half_precision),
               run_check("data: targets are next tokens", check_batch_shift)]
@@ -362,6 +405,9 @@ def all_checks() -> list[Check]:
     m = leak_test_model("manual")
     corpus = np.random.default_rng(0).integers(0, m.config.vocab_size, 500).astype(np.uint16)
     checks.append(run_check("loss: CE against the next token", check_loss_is_next_token_cross_entropy, m, corpus))
+    # 2 full windows and a short one: the end of the split is scored too
+    checks.append(run_check("loss: exact val against the next token", check_exact_loss_is_next_token_cross_entropy,
+                            m, corpus[:2 * m.config.block_size + 5]))
     return checks
 
 

@@ -22,14 +22,15 @@ from torch import Tensor
 import data
 import model.attention as attn_lib
 
-REAL = {"causal_mask": attn_lib.causal_mask, "attention": attn_lib.attention, "get_batch": data.get_batch}
+REAL = {"causal_mask": attn_lib.causal_mask, "attention": attn_lib.attention, "get_batch": data.get_batch,
+        "inputs_and_targets": data.inputs_and_targets}
 _REAL_SDPA = F.scaled_dot_product_attention
 
 
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    piece: str  # "causal_mask", "attention", "get_batch" or "sdpa"
+    piece: str  # "causal_mask", "attention", "get_batch", "inputs_and_targets" or "sdpa"
     replacement: Callable
 
 
@@ -108,6 +109,14 @@ def attention_fill_minus_1e9(q, k, v, allowed=None, dropout_p=0.0, generator=Non
     return w @ v, w
 
 
+def attention_fill_minus_1e4(q, k, v, allowed=None, dropout_p=0.0, generator=None):
+    s = _scores(q, k)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -1e4)  # "small enough": until an allowed score is smaller still
+    w = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32)).to(q.dtype)
+    return w @ v, w
+
+
 def sdpa_not_causal(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
     return _REAL_SDPA(q, k, v, attn_mask=None, dropout_p=dropout_p, is_causal=False, **kw)
 
@@ -127,6 +136,11 @@ def batcher(shift: int) -> Callable:
     return get_batch
 
 
+def targets_equal_inputs(windows: Tensor) -> tuple[Tensor, Tensor]:
+    """inputs_and_targets with the shift forgotten: y = x."""
+    return windows[:, :-1], windows[:, :-1]
+
+
 MUTANTS = [
     Mutant("no mask", "causal_mask", mask_none),
     Mutant("mask hides the diagonal", "causal_mask", mask_hides_diagonal),
@@ -136,8 +150,11 @@ MUTANTS = [
     Mutant("future scores multiplied by 0 instead of masked", "attention", attention_scores_times_zero),
     Mutant("softmax over the query axis", "attention", attention_softmax_over_queries),
     Mutant("-1e9 fill (overflows float16)", "attention", attention_fill_minus_1e9),
+    Mutant("-1e4 fill instead of -inf (float32)", "attention", attention_fill_minus_1e4),
     Mutant("sdpa with is_causal=False", "sdpa", sdpa_not_causal),
     Mutant("targets equal inputs (y = x)", "get_batch", batcher(0)),
     Mutant("targets shifted by two", "get_batch", batcher(2)),
     Mutant("targets shifted backwards", "get_batch", batcher(-1)),
+    Mutant("the shared shift forgotten (y = x in batches and the exact loss)", "inputs_and_targets",
+           targets_equal_inputs),
 ]

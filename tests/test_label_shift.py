@@ -27,6 +27,25 @@ def test_model_loss_is_cross_entropy_against_the_next_corpus_token():
     assert check.ok, str(check)
 
 
+def test_exact_val_loss_is_cross_entropy_against_the_next_corpus_token():
+    model = C.leak_test_model("manual")
+    corpus = np.random.default_rng(0).integers(0, model.config.vocab_size, 2 * model.config.block_size + 5)
+    check = C.check_exact_loss_is_next_token_cross_entropy(model, corpus.astype(np.uint16))
+    assert check.ok, str(check)
+
+
+def test_the_exact_loss_check_catches_a_shift_forgotten_in_the_exact_loss_alone(monkeypatch):
+    """The mutant lives only where exact_loss cuts its windows: the batches stay right, so only the
+    exact-loss check can see it."""
+    import training.evaluate
+
+    monkeypatch.setattr(training.evaluate, "inputs_and_targets", lambda w: (w[:, :-1], w[:, :-1]))
+    model = C.leak_test_model("manual")
+    corpus = np.random.default_rng(0).integers(0, model.config.vocab_size, 2 * model.config.block_size + 5)
+    assert C.check_batch_shift().ok
+    assert not C.check_exact_loss_is_next_token_cross_entropy(model, corpus.astype(np.uint16)).ok
+
+
 def _write_random_text(path, n: int, alphabet: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
     path.write_text("".join(rng.choice(list(alphabet), n)), encoding="utf-8")

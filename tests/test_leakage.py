@@ -29,6 +29,10 @@ def test_attention_weights_sum_to_one_and_future_weights_are_exactly_zero():
     assert_ok(C.check_attention_weights())
 
 
+def test_a_masked_key_gets_zero_weight_even_when_it_outscores_every_allowed_key_by_far():
+    assert_ok(C.check_attention_extreme_scores())  # catches a finite fill value such as -1e4 or -1e9
+
+
 def test_attention_gradient_reaches_past_and_diagonal_but_never_future_keys():
     assert_ok(C.check_attention_gradients())
 

@@ -99,6 +99,23 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_most_likely_token():
     assert torch.equal(model.generate(prompt, 8, temperature=1.0, top_p=1e-9, generator=g), greedy)
 
 
+def test_rope_rotates_each_channel_pair_forward_by_position_times_frequency():
+    """The RoFormer convention, pinned: pair (x0, x1) at position p becomes (x0 cos a - x1 sin a,
+    x0 sin a + x1 cos a) with a = p * 10000^(-2i/D). A mirrored rotation (conjugate frequencies) is
+    causal and relative too, but it is another function of the same weights: rope checkpoints would
+    silently score differently."""
+    from model.attention import apply_rope
+    from model.gpt import rope_frequencies
+
+    D, positions = 4, torch.arange(5, dtype=torch.float64)
+    x = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64).expand(1, 1, 5, D)  # (B, H, T, D)
+    out = apply_rope(x, rope_frequencies(5, D).to(torch.complex128))
+    for i in range(D // 2):
+        angle = positions * 10000.0 ** (-2 * i / D)
+        torch.testing.assert_close(out[0, 0, :, 2 * i], torch.cos(angle))
+        torch.testing.assert_close(out[0, 0, :, 2 * i + 1], torch.sin(angle))
+
+
 def test_rotary_attention_sees_only_relative_positions():
     """With rotary positions, shifting every position by the same amount changes no output: q and k
     are both rotated, so their scores depend on m - n only (rotating only q would make them absolute)."""

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from data import eval_windows, get_batch
+from data import eval_windows, get_batch, inputs_and_targets
 
 
 @contextlib.contextmanager
@@ -130,7 +130,7 @@ def _total_loss(model: nn.Module, data: np.ndarray | Tensor, block_size: int, ba
 
 
 def _sum_loss(model: nn.Module, chunk: Tensor, autocast) -> Tensor:
-    x, y = chunk[:, :-1], chunk[:, 1:]  # targets are the next tokens
+    x, y = inputs_and_targets(chunk)  # (b, T) each: targets are the next tokens
     with autocast or contextlib.nullcontext():
         logits, _ = model(x)
     return torch.nn.functional.cross_entropy(
