@@ -54,6 +54,9 @@ def check_plan(plan: dict) -> None:
             raise ValueError(f"a variant has no name: {variant}")
         if "steps" not in variant and "budget_seconds" not in plan:
             raise ValueError(f"variant {variant['name']!r} has no steps and the plan no budget_seconds")
+        steps = variant.get("steps", 1)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+            raise ValueError(f"variant {variant['name']!r}: steps must be a positive integer, got {steps!r}")
         overrides = {**plan.get("overrides", {}), **variant.get("overrides", {})}
         unknown = sorted(set(overrides) - set(TrainConfig.__dataclass_fields__))
         try:
@@ -120,7 +123,7 @@ def main(argv: list[str]) -> int:
         for variant in variants:
             overrides = {**plan.get("overrides", {}), **variant.get("overrides", {})}
             ms = statistics.median(timings[variant["name"]])
-            steps = variant.get("steps") or int(plan["budget_seconds"] * 1000 / ms)
+            steps = variant["steps"] if "steps" in variant else int(plan["budget_seconds"] * 1000 / ms)
             for seed in seeds:
                 run = {**overrides, "dataset": opts["--dataset"], "seed": seed, "max_iters": steps,
                        "lr_decay_iters": steps, "eval_interval": steps, "log_interval": max(1, steps // 10)}

@@ -34,13 +34,9 @@ def atomic_file(path: str | Path, fsync: bool = False, prefix: str | None = None
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     else:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix)
-    # mkstemp creates 0600; give what a plain open() would (0666 minus the umask), so a checkpoint or
-    # a shared cache_dir is as readable as any other file the user writes there
-    umask = os.umask(0)  # reading the umask means setting it; put it straight back
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
     try:
         with os.fdopen(fd, "wb") as f:
+            _set_mode_as_open_would(f.fileno(), path)
             yield f
             if fsync:
                 f.flush()
@@ -49,6 +45,35 @@ def atomic_file(path: str | Path, fsync: bool = False, prefix: str | None = None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _set_mode_as_open_would(fd: int, path: Path) -> None:
+    """mkstemp creates 0600; give what writing with open() would: the mode of the file replaced, or
+    0666 minus the umask for a new one, so a checkpoint or a shared cache_dir is as readable as any
+    other file the user writes there, and a file they restricted stays restricted. A filesystem that
+    refuses chmod keeps 0600: more private, never wider."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    try:
+        os.fchmod(fd, mode)
+    except OSError:
+        pass
+
+
+def _umask() -> int:
+    """The process's umask. Linux reports it in /proc; elsewhere reading it means setting it, which
+    for a moment changes it for every thread, so that is only the fallback."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def write_atomic(path: str | Path, data: bytes | memoryview) -> None:

@@ -310,7 +310,10 @@ def sample_next(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)  # greedy
-    logits = logits.float() / temperature
+    # float64, shifted so the largest is 0: a tiny temperature (float32 would round 1e-300 to 0) then
+    # sends the others to -inf instead of overflowing to +inf and making the softmax NaN. (B, V) only.
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")

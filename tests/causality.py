@@ -131,8 +131,8 @@ def check_attention_weights(T: int = 7, seed: int = 0) -> Check:
 def check_attention_extreme_scores(scale: float = 1e150) -> Check:
     """A masked key gets weight exactly 0 however far its score rises above the allowed ones: query 0
     may read only key 0, at score -scale**2, while keys 1.. score +scale**2. With -inf in the masked
-    places that is still weight 1 on key 0; any finite fill value (-1e4, -1e9, ...) sits above
-    -scale**2 and hands query 0's attention to the future."""
+    places that is still weight 1 on key 0; a finite fill above -scale**2 (-1e4, -1e9, ... but not
+    float64's finfo.min) hands query 0's attention to the future."""
     T = 4
     q = torch.full((1, 1, T, 1), scale, dtype=torch.float64)
     k = torch.full((1, 1, T, 1), scale, dtype=torch.float64)
@@ -359,9 +359,9 @@ def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray)
         got = exact_loss(model, corpus, T, 3, "cpu")
         quiet = abs(got - by_hand(1))
         fired = abs(got - by_hand(0))  # positive control: the unshifted targets give another number
-    # exact_loss takes the cross-entropy of float32 logits (as in training): agreement to ~1e-7, while a
+    # exact_loss takes the cross-entropy of float32 logits (as in training): agreement to <1e-6, while a
     # wrong shift moves the loss by ~0.1
-    return Check("loss: exact val against the next token", quiet < 1e-6 and fired > 1e-3, quiet, fired)
+    return Check("loss: exact val against the next token", quiet < 1e-5 and fired > 1e-3, quiet, fired)
 
 
 # --- everything at once --------------------------------------------------------------------------

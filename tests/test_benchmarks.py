@@ -62,3 +62,10 @@ def test_help_exits_zero(script):
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "usage" in proc.stdout.lower() or "python benchmarks/" in proc.stdout
+
+
+@pytest.mark.parametrize("steps", [0, -5, 2.5])
+def test_check_plan_refuses_a_step_count_that_is_not_a_positive_integer(steps):
+    plan = {"base": "configs/debug.toml", "budget_seconds": 1.0, "variant": [{"name": "odd", "steps": steps}]}
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        ablate.check_plan(plan)

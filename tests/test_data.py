@@ -164,3 +164,23 @@ def test_atomically_written_files_get_the_umask_permissions_not_mkstemps_0600(tm
         os.umask(old)
     for name in ("summary.json", "ckpt.pt"):
         assert (tmp_path / name).stat().st_mode & 0o777 == mode, name
+
+
+def test_replacing_a_file_keeps_its_mode_and_a_refused_chmod_still_writes(tmp_path, monkeypatch):
+    """Like open(): a file the user restricted stays restricted when it is saved again; and where the
+    filesystem refuses chmod, the write still succeeds (at mkstemp's private 0600), leaving no temp."""
+    import os
+
+    target = tmp_path / "ckpt.json"
+    write_atomic(target, b"old")
+    target.chmod(0o600)
+    write_atomic(target, b"new")
+    assert target.stat().st_mode & 0o777 == 0o600 and target.read_bytes() == b"new"
+
+    def refuse(fd, mode):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchmod", refuse)
+    write_atomic(tmp_path / "other.json", b"x")
+    assert (tmp_path / "other.json").read_bytes() == b"x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.json", "other.json"]

@@ -90,6 +90,17 @@ def test_greedy_generation_is_argmax_of_the_cropped_context():
     assert torch.equal(out[:, -1], logits[:, -1].argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-300])
+def test_a_tiny_temperature_samples_the_argmax_instead_of_overflowing(temperature):
+    """logits / 1e-300 overflows float32 to inf and the softmax to NaN, unless the logits are shifted
+    so that the largest is 0 first: then the others go to -inf and the draw is the argmax."""
+    from model.gpt import sample_next
+
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0)) * 5
+    drawn = sample_next(logits, temperature=temperature, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(drawn[:, 0], logits.argmax(-1))
+
+
 def test_top_k_one_is_greedy_and_top_p_keeps_the_most_likely_token():
     model = redraw_parameters_(GPT(tiny()).double()).eval()
     prompt = torch.randint(11, (2, 3))
