@@ -136,6 +136,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
              "dtype": str(dtype).removeprefix("torch."), "compile": use_compile,
              "params": model.num_params(), "vocab_size": vocab_size, "corpus": corpus.name,
              "world_size": dist.world_size}
+    start_ckpt_exists = ckpt_path.exists()
     if dist.is_main:  # only rank 0 writes files
         out_dir.mkdir(parents=True, exist_ok=True)
         for written in (ckpt_path, out_dir / "config.json", out_dir / "summary.json"):
@@ -143,6 +144,9 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         write_atomic(out_dir / "config.json", json.dumps(facts, indent=2).encode())
     log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose and dist.is_main)
     log.line(f"config: {json.dumps(cfg.to_dict())}")
+    if ckpt is None and start_ckpt_exists:
+        log.line(f"note: {ckpt_path} is from an earlier run; this fresh run replaces it at its first save "
+                 "(--resume continues it instead)")
     log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
              f"{vocab_size} symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']}"
              f"{' compiled' if use_compile else ''}" + (f" | resumed at step {start_step}" if ckpt else "")
@@ -312,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg, _ = parse_args(argv)
+    except ValueError as e:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank parses the same argv: say it once
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
         summary = train(cfg, argv)
     except (ValueError, FloatingPointError, ConnectionError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

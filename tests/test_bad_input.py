@@ -182,6 +182,25 @@ def test_a_tensorboard_prompt_outside_the_vocabulary_is_refused_before_out_dir_i
     assert_refused(rc, err, out, before, f"config field {field}='The €'", "'€'")
 
 
+def test_under_torchrun_a_config_error_is_printed_by_rank_0_only(paths, capsys, monkeypatch):
+    """Every rank parses the same argv: N copies of one error line would only bury it."""
+    corpus, out, cache = paths
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        rc, err = run_train(capsys, *tiny_args(corpus, out, cache), "--n_layers=2")
+        assert rc == 1 and ("unknown config key 'n_layers'" in err) == printed, (rank, err)
+
+
+def test_a_fresh_run_over_an_earlier_checkpoint_says_it_will_replace_it(run_dir, capsys):
+    corpus, out, cache = run_dir
+    assert train.main(tiny_args(corpus, out, cache)) == 0
+    captured = capsys.readouterr()
+    assert f"note: {out / CKPT_NAME} is from an earlier run" in captured.out + captured.err
+    assert train.main([*tiny_args(corpus, out, cache), "--resume", "--max_iters=6"]) == 0  # resuming: no note
+    captured = capsys.readouterr()
+    assert "is from an earlier run" not in captured.out + captured.err
+
+
 def test_cuda_device_without_cuda_is_refused(paths, capsys, monkeypatch):
     corpus, out, cache = paths
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a machine with a GPU
