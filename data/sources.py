@@ -53,16 +53,20 @@ def read_text_file(path: str | os.PathLike) -> Source:
 
 
 def read_text_folder(path: str | os.PathLike) -> Source:
-    """Every *.txt file under a folder (recursively, in sorted path order), concatenated."""
+    """Every *.txt file under a folder (recursively, in sorted path order), concatenated. Hidden files
+    and folders (a name starting with '.', e.g. .ipynb_checkpoints copies) are skipped."""
     path = Path(path)
-    files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+    files = sorted(p for p in path.rglob("*.txt")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
         raise ValueError(f"folder {path} contains no .txt files")
-    digest = hashlib.sha256()
+    # "folder" first: a single file can never hash like a folder, whatever its bytes
+    digest = hashlib.sha256(b"txt-folder\0")
     parts = []
     for f in files:
         raw = f.read_bytes()
-        digest.update(str(f.relative_to(path)).encode() + b"\0" + raw + b"\0")
+        # surrogateescape: a file name that is not UTF-8 still hashes (and is read) instead of failing
+        digest.update(str(f.relative_to(path)).encode("utf-8", "surrogateescape") + b"\0" + raw + b"\0")
         parts.append(decode_utf8(raw, str(f)))
     return Source("".join(parts), digest.hexdigest(), f"{path} ({len(files)} .txt files)")
 
@@ -155,7 +159,10 @@ def hf_dataset(spec: str, split: str | None, text_column: str | None,
         if saved:
             ds = datasets.load_from_disk(str(local))
         elif local.exists():
-            ds = datasets.load_dataset(builder, **options, split=split, cache_dir=hf_cache)
+            # datasets keys its prepared tables on a local file's path and mtime, not its content, so an
+            # edit that keeps the mtime (cp -p, rsync -a, tar x) would read the old rows: rebuild them
+            ds = datasets.load_dataset(builder, **options, split=split, cache_dir=hf_cache,
+                                       download_mode="force_redownload")
         else:
             ds = datasets.load_dataset(name, split=split, cache_dir=hf_cache)
     except ConnectionError as e:
@@ -167,6 +174,17 @@ def hf_dataset(spec: str, split: str | None, text_column: str | None,
         ) from None
     except (datasets.exceptions.DatasetNotFoundError, ValueError) as e:  # e.g. 'Unknown split "x"'
         raise ValueError(f"dataset=hf:{name}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a malformed or empty file: datasets wraps the cause
+        if not local.exists():
+            raise
+        cause = e.__cause__ or e
+        raise ValueError(f"dataset=hf:{name}: datasets could not read it: {type(cause).__name__}: {cause}") from None
+    if split is not None and isinstance(ds, datasets.Dataset) and saved:
+        # a single saved Dataset holds one split (or none): another name must not read it silently
+        if ds.split is None or str(ds.split) != split:
+            raise ValueError(f"dataset=hf:{name} is a single saved Dataset"
+                             + (f" of split {str(ds.split)!r}" if ds.split is not None else " with no split")
+                             + f"; it has no split {split!r}")
     if split is not None and isinstance(ds, datasets.DatasetDict):  # load_from_disk reads every split
         if split not in ds:
             raise ValueError(f"dataset=hf:{name} has no split {split!r}; it has {sorted(ds)}")
@@ -194,6 +212,12 @@ def _local_builder(path: Path, name: str) -> tuple[str, dict]:
     if not files or (path.is_file() and path.suffix not in HF_BUILDERS):
         raise ValueError(f"dataset=hf:{name}: expected a save_to_disk directory, or a file or folder of "
                          f"{', '.join(HF_BUILDERS)} files; for plain text drop the hf: prefix")
+    formats = sorted({HF_BUILDERS[f.suffix] for f in files})
+    if len(formats) > 1:
+        # datasets would read only the most common format of a folder and drop the rest silently
+        counts = ", ".join(f"{sum(HF_BUILDERS[f.suffix] == b for f in files)} {b}" for b in formats)
+        raise ValueError(f"dataset=hf:{name}: the folder mixes data formats ({counts} files), of which "
+                         f"datasets would read only one; keep one format, or point hf: at one file")
     # the text builder cuts lines; keeping their line breaks makes the rows concatenate to the files
     options = {"keep_linebreaks": True} if all(f.suffix == ".txt" for f in files) else {}
     if path.is_file():

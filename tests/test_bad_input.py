@@ -156,6 +156,8 @@ def test_more_distinct_symbols_than_uint16_holds_is_refused_before_encoding(path
     ("--seed=18446744073709551615", "seed must be in [0, 2**62], got 18446744073709551615"),
     ("--device=cuda:x", "device='cuda:x' is not one of auto, cpu, cuda, cuda:N, mps"),
     ("--device=bogus", "device='bogus' is not one of"),
+    ("--split=validation", "split='validation' applies to hf: datasets only"),
+    ("--text_column=body", "text_column='body' applies to hf: datasets only"),
 ])
 def test_bad_config_value_names_the_key(paths, capsys, override, message):
     corpus, out, cache = paths

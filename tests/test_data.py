@@ -184,3 +184,28 @@ def test_replacing_a_file_keeps_its_mode_and_a_refused_chmod_still_writes(tmp_pa
     write_atomic(tmp_path / "other.json", b"x")
     assert (tmp_path / "other.json").read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.json", "other.json"]
+
+
+def test_a_txt_folder_skips_hidden_copies_and_never_shares_a_key_with_a_file(tmp_path):
+    """.ipynb_checkpoints holds stale copies of a notebook folder's files: not part of the corpus.
+    A file whose bytes spell a folder's hash input must not reuse the folder's encoded cache."""
+    folder = tmp_path / "texts"
+    (folder / ".ipynb_checkpoints").mkdir(parents=True)
+    (folder / "a.txt").write_text("real text\n", encoding="utf-8")
+    (folder / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("stale draft\n", encoding="utf-8")
+    src = load_source(str(folder), tmp_path)
+    assert src.text == "real text\n"
+    forged = tmp_path / "forged.txt"
+    forged.write_bytes(b"a.txt\0real text\n\0")
+    assert load_source(str(forged), tmp_path).key != src.key
+
+
+def test_a_txt_folder_reads_a_file_whose_name_is_not_utf8(tmp_path):
+    import os
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("first\n", encoding="utf-8")
+    with open(os.path.join(os.fsencode(folder), b"b\xff.txt"), "wb") as f:
+        f.write(b"second\n")
+    assert load_source(str(folder), tmp_path).text == "first\nsecond\n"

@@ -121,3 +121,45 @@ def test_training_runs_on_a_local_hf_dataset_and_a_txt_folder(kind, saved, tmp_p
     assert summary["steps"] == 2 and summary["final_val_loss"] > 0
     corpus = load_corpus(dataset, cfg.cache_dir)
     assert corpus.tokenizer.decode(corpus.val) == CORPUS[1800:]
+
+
+def test_a_local_file_edited_without_a_new_mtime_is_read_again(tmp_path):
+    """datasets keys its prepared tables on path + mtime; cp -p, rsync -a and tar x keep the mtime."""
+    import os
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "old rows\\n"}\n', encoding="utf-8")
+    os.utime(path, (1_700_000_000, 1_700_000_000))
+    assert load_source(f"hf:{path}", tmp_path).text == "old rows\n"
+    path.write_text('{"text": "new rows\\n"}\n', encoding="utf-8")
+    os.utime(path, (1_700_000_000, 1_700_000_000))  # same size, same mtime, other content
+    assert load_source(f"hf:{path}", tmp_path).text == "new rows\n"
+
+
+def test_a_folder_mixing_data_formats_is_refused_not_half_read(tmp_path):
+    """datasets reads only a folder's most common format: the other files would vanish silently."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_text("line\n", encoding="utf-8")
+    (folder / "b.txt").write_text("line\n", encoding="utf-8")
+    (folder / "meta.json").write_text('{"text": "x"}', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"mixes data formats \(1 json, 2 text files\)"):
+        load_source(f"hf:{folder}", tmp_path)
+
+
+def test_a_saved_single_dataset_refuses_a_split_it_is_not(tmp_path):
+    rows = datasets.Dataset.from_dict({"text": ["a\n"]}, split="train")
+    rows.save_to_disk(str(tmp_path / "train_only"))
+    assert load_source(f"hf:{tmp_path / 'train_only'}:train", tmp_path).text == "a\n"
+    with pytest.raises(ValueError, match="single saved Dataset of split 'train'; it has no split 'validation'"):
+        load_source(f"hf:{tmp_path / 'train_only'}:validation", tmp_path)
+    datasets.Dataset.from_dict({"text": ["b\n"]}).save_to_disk(str(tmp_path / "no_split"))
+    with pytest.raises(ValueError, match="with no split; it has no split 'train'"):
+        load_source(f"hf:{tmp_path / 'no_split'}", tmp_path, split="train")
+
+
+@pytest.mark.parametrize("name, content", [("bad.jsonl", '{"text": "ok"}\n{"text": \n'), ("empty.jsonl", "")])
+def test_a_malformed_or_empty_local_file_is_one_error_naming_it(tmp_path, name, content):
+    (tmp_path / name).write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"dataset=hf:.*{name}: datasets could not read it"):
+        load_source(f"hf:{tmp_path / name}", tmp_path)

@@ -128,6 +128,10 @@ class TrainConfig:
         for name in ("cooldown_frac", "muon_momentum"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"config field {name} must be in [0, 1], got {getattr(self, name)!r}")
+        for name in ("split", "text_column"):
+            if getattr(self, name) and not self.dataset.startswith("hf:"):
+                raise ValueError(f"config field {name}={getattr(self, name)!r} applies to hf: datasets only, "
+                                 f"not dataset={self.dataset!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"config field n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.min_lr > self.learning_rate:
