@@ -43,7 +43,7 @@ from training import (
     save_checkpoint,
     set_lr,
 )
-from training.distributed import Dist, close_distributed, init_distributed
+from training.distributed import Dist, close_distributed, init_distributed, launched_by_torchrun
 from training.faults import RunGuard, exit_code, signal_name
 from training.monitor import RunLog, resolve_prompts
 from training.optim import ParamGroupOptimizer
@@ -317,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, _ = parse_args(argv)
     except ValueError as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank parses the same argv: say it once
+        # under torchrun every rank parses the same argv: say it once per node (RANK alone is often set
+        # by cluster tools outside torchrun, so only torchrun's full set of variables counts)
+        if not launched_by_torchrun(os.environ) or os.environ.get("LOCAL_RANK") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 1
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -131,7 +132,8 @@ def hf_dataset(spec: str, split: str | None, text_column: str | None,
             first (so the hub copy of Tiny Shakespeare, cut 1,003,854 / 55,770 / 55,770, reads back
             as the original file and the 90/10 split is nanoGPT's), then the others by name.
         text_column: the column to read; None means 'text', else the only string column.
-        cache_dir: the project's cache; `datasets` keeps the Arrow tables it prepares in cache_dir/hf.
+        cache_dir: the project's cache; `datasets` keeps the Arrow tables it prepares for a hub id in
+            cache_dir/hf (for local files, in a temporary folder there, deleted after the load).
     Returns:
         The rows of the column concatenated as they are (no separator is added), keyed by the
         sha256 of that text, so the same content shares one encoded cache however it was loaded.
@@ -153,18 +155,27 @@ def hf_dataset(spec: str, split: str | None, text_column: str | None,
     if not local.exists() and (name.startswith((".", "/", "~")) or local.suffix in HF_BUILDERS
                                or name.count("/") > 1):
         raise ValueError(f"dataset=hf:{name}: no such file or directory (a hub id is NAME or OWNER/NAME)")
-    if local.exists() and not saved:
-        builder, options = _local_builder(local, name)
+    if not (local.exists() and not saved):
+        ds = _read(lambda: datasets.load_from_disk(str(local)) if saved
+                   else datasets.load_dataset(name, split=split, cache_dir=hf_cache), name, local=saved)
+        return _source(ds, name, split, text_column, saved)
+    builder, options = _local_builder(local, name)
+    # A private cache for this one load, deleted once the text is out: datasets keys its own cache on
+    # a local file's path and mtime, not its content (an edit that keeps the mtime, as cp -p, rsync -a
+    # and tar x do, would read the old rows), and concurrent loads rebuilding one shared entry race.
+    Path(hf_cache).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=hf_cache, prefix="local-") as private:
+        ds = _read(lambda: datasets.load_dataset(builder, **options, split=split, cache_dir=private), name,
+                   local=True)
+        return _source(ds, name, split, text_column, saved)
+
+
+def _read(load, name: str, local: bool):
+    """load() -> a Dataset or DatasetDict, its failures turned into errors that say what to do."""
+    import datasets
+
     try:
-        if saved:
-            ds = datasets.load_from_disk(str(local))
-        elif local.exists():
-            # datasets keys its prepared tables on a local file's path and mtime, not its content, so an
-            # edit that keeps the mtime (cp -p, rsync -a, tar x) would read the old rows: rebuild them
-            ds = datasets.load_dataset(builder, **options, split=split, cache_dir=hf_cache,
-                                       download_mode="force_redownload")
-        else:
-            ds = datasets.load_dataset(name, split=split, cache_dir=hf_cache)
+        return load()
     except ConnectionError as e:
         raise ConnectionError(
             f"could not load hf:{name} from the Hugging Face Hub ({e}). Offline? Pass a local copy "
@@ -174,17 +185,22 @@ def hf_dataset(spec: str, split: str | None, text_column: str | None,
         ) from None
     except (datasets.exceptions.DatasetNotFoundError, ValueError) as e:  # e.g. 'Unknown split "x"'
         raise ValueError(f"dataset=hf:{name}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - a malformed or empty file: datasets wraps the cause
-        if not local.exists():
+    except Exception as e:  # a malformed or empty local file: datasets wraps the cause
+        if not local:
             raise
         cause = e.__cause__ or e
         raise ValueError(f"dataset=hf:{name}: datasets could not read it: {type(cause).__name__}: {cause}") from None
+
+
+def _source(ds, name: str, split: str | None, text_column: str | None, saved: bool) -> Source:
+    """The text column of ds (a Dataset, or a DatasetDict read split by split) as one Source."""
+    import datasets
+
     if split is not None and isinstance(ds, datasets.Dataset) and saved:
-        # a single saved Dataset holds one split (or none): another name must not read it silently
-        if ds.split is None or str(ds.split) != split:
-            raise ValueError(f"dataset=hf:{name} is a single saved Dataset"
-                             + (f" of split {str(ds.split)!r}" if ds.split is not None else " with no split")
-                             + f"; it has no split {split!r}")
+        # a single saved Dataset has no splits to choose from (its recorded split name is not reliable:
+        # train_test_split()["test"] still says "train"), so a split name must not be ignored silently
+        raise ValueError(f"dataset=hf:{name} is a single saved Dataset, with no splits to choose from; "
+                         f"drop the split {split!r} to read it whole")
     if split is not None and isinstance(ds, datasets.DatasetDict):  # load_from_disk reads every split
         if split not in ds:
             raise ValueError(f"dataset=hf:{name} has no split {split!r}; it has {sorted(ds)}")
@@ -208,7 +224,7 @@ def hf_dataset(spec: str, split: str | None, text_column: str | None,
 
 def _local_builder(path: Path, name: str) -> tuple[str, dict]:
     """The `load_dataset` call for a local data file or folder of them: (path or builder, options)."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and p.suffix in HF_BUILDERS]
+    files = [path] if path.is_file() else _data_files(path)
     if not files or (path.is_file() and path.suffix not in HF_BUILDERS):
         raise ValueError(f"dataset=hf:{name}: expected a save_to_disk directory, or a file or folder of "
                          f"{', '.join(HF_BUILDERS)} files; for plain text drop the hf: prefix")
@@ -223,6 +239,19 @@ def _local_builder(path: Path, name: str) -> tuple[str, dict]:
     if path.is_file():
         return HF_BUILDERS[path.suffix], {"data_files": str(path), **options}
     return str(path), options  # a folder: datasets infers the format and the splits from file names
+
+
+def _data_files(folder: Path) -> list[Path]:
+    """The files of a folder that `datasets` itself would read (its split patterns: data/train-*.parquet
+    and the like, hidden paths skipped), of the formats it can read. Metadata next to them
+    (dataset_infos.json, LICENSE.txt) is not data when the data files carry split names."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        resolved = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
+    except Exception:  # noqa: BLE001 - no pattern matched: the caller reports an empty folder
+        return []
+    return [Path(f) for files in resolved.values() for f in files if Path(f).suffix in HF_BUILDERS]
 
 
 def _text_column(ds, name: str) -> str:

@@ -184,13 +184,17 @@ def test_a_tensorboard_prompt_outside_the_vocabulary_is_refused_before_out_dir_i
     assert_refused(rc, err, out, before, f"config field {field}='The €'", "'€'")
 
 
-def test_under_torchrun_a_config_error_is_printed_by_rank_0_only(paths, capsys, monkeypatch):
+def test_under_torchrun_a_config_error_is_printed_once_per_node(paths, capsys, monkeypatch):
     """Every rank parses the same argv: N copies of one error line would only bury it."""
     corpus, out, cache = paths
-    for rank, printed in (("1", False), ("0", True)):
-        monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("RANK", "1")  # set alone, as cluster tools do outside torchrun: still printed
+    rc, err = run_train(capsys, *tiny_args(corpus, out, cache), "--n_layers=2")
+    assert rc == 1 and "unknown config key 'n_layers'" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's full set: once per node, by local rank 0
+    for local_rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
         rc, err = run_train(capsys, *tiny_args(corpus, out, cache), "--n_layers=2")
-        assert rc == 1 and ("unknown config key 'n_layers'" in err) == printed, (rank, err)
+        assert rc == 1 and ("unknown config key 'n_layers'" in err) == printed, (local_rank, err)
 
 
 def test_a_fresh_run_over_an_earlier_checkpoint_says_it_will_replace_it(run_dir, capsys):

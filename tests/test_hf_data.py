@@ -147,15 +147,33 @@ def test_a_folder_mixing_data_formats_is_refused_not_half_read(tmp_path):
         load_source(f"hf:{folder}", tmp_path)
 
 
-def test_a_saved_single_dataset_refuses_a_split_it_is_not(tmp_path):
-    rows = datasets.Dataset.from_dict({"text": ["a\n"]}, split="train")
-    rows.save_to_disk(str(tmp_path / "train_only"))
-    assert load_source(f"hf:{tmp_path / 'train_only'}:train", tmp_path).text == "a\n"
-    with pytest.raises(ValueError, match="single saved Dataset of split 'train'; it has no split 'validation'"):
-        load_source(f"hf:{tmp_path / 'train_only'}:validation", tmp_path)
-    datasets.Dataset.from_dict({"text": ["b\n"]}).save_to_disk(str(tmp_path / "no_split"))
-    with pytest.raises(ValueError, match="with no split; it has no split 'train'"):
-        load_source(f"hf:{tmp_path / 'no_split'}", tmp_path, split="train")
+def test_a_saved_single_dataset_refuses_a_split_name_instead_of_ignoring_it(tmp_path):
+    """A single Dataset has no splits to choose from; its recorded split name is unreliable
+    (train_test_split()["test"] still records "train"), so any split name is refused."""
+    rows = datasets.Dataset.from_dict({"text": ["a\n", "b\n", "c\n", "d\n"]}, split="train")
+    rows.train_test_split(test_size=0.5, seed=0)["test"].save_to_disk(str(tmp_path / "held_out"))
+    assert len(load_source(f"hf:{tmp_path / 'held_out'}", tmp_path).text) == 4  # read whole: fine
+    for split in ("test", "train", "validation"):
+        with pytest.raises(ValueError, match=f"single saved Dataset, with no splits to choose from; drop the "
+                                             f"split '{split}'"):
+            load_source(f"hf:{tmp_path / 'held_out'}:{split}", tmp_path)
+
+
+def test_a_hub_repository_clone_with_metadata_files_loads_its_data_files(tmp_path):
+    """dataset_infos.json, LICENSE.txt or a .git folder next to data/{split}-*.parquet are not data:
+    datasets reads the split-named files only, and so is the format check."""
+    repo = tmp_path / "tiny_shakespeare"
+    (repo / "data").mkdir(parents=True)
+    (repo / ".git").mkdir()
+    for split, text in (("train", "TRAIN\n"), ("validation", "VAL\n"), ("test", "TEST\n")):
+        datasets.Dataset.from_dict({"text": [text]}).to_parquet(str(repo / "data" / f"{split}-00000-of-00001.parquet"))
+    (repo / "dataset_infos.json").write_text("{}", encoding="utf-8")
+    (repo / "LICENSE.txt").write_text("license text\n", encoding="utf-8")
+    (repo / ".git" / "config.json").write_text("{}", encoding="utf-8")
+    (repo / "README.md").write_text("# card\n", encoding="utf-8")
+    assert load_source(f"hf:{repo}", tmp_path).text == "TRAIN\nVAL\nTEST\n"
+    assert load_source(f"hf:{repo}:validation", tmp_path).text == "VAL\n"
+    assert not list((tmp_path / "hf").glob("local-*"))  # the private caches of the loads are gone
 
 
 @pytest.mark.parametrize("name, content", [("bad.jsonl", '{"text": "ok"}\n{"text": \n'), ("empty.jsonl", "")])
