@@ -102,13 +102,11 @@ class TrainConfig:
                 ok = True
             if not ok:
                 raise ValueError(f"config field {f.name} must be {kind.__name__}, got {value!r}")
+            if kind is float and not math.isfinite(value):
+                raise ValueError(f"config field {f.name} must be a finite number, got {value!r}")
             choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise ValueError(f"config field {f.name}={value!r} is not one of {', '.join(choices)}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"config field {f.name} must be a finite number, got {value!r}")
         positive = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
                     "max_iters", "learning_rate", "eval_interval", "eval_iters", "log_interval")
         for name in positive:
