@@ -136,7 +136,6 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
              "dtype": str(dtype).removeprefix("torch."), "compile": use_compile,
              "params": model.num_params(), "vocab_size": vocab_size, "corpus": corpus.name,
              "world_size": dist.world_size}
-    start_ckpt_exists = ckpt_path.exists()
     if dist.is_main:  # only rank 0 writes files
         out_dir.mkdir(parents=True, exist_ok=True)
         for written in (ckpt_path, out_dir / "config.json", out_dir / "summary.json"):
@@ -144,7 +143,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         write_atomic(out_dir / "config.json", json.dumps(facts, indent=2).encode())
     log = RunLog(out_dir, cfg.max_iters, start_step, cfg.tensorboard, enabled=verbose and dist.is_main)
     log.line(f"config: {json.dumps(cfg.to_dict())}")
-    if ckpt is None and start_ckpt_exists:
+    if ckpt is None and ckpt_path.exists():  # nothing of this run is saved before the loop
         log.line(f"note: {ckpt_path} is from an earlier run; this fresh run replaces it at its first save "
                  "(--resume continues it instead)")
     log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
