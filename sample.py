@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 from data import CharTokenizer
 from data.sources import decode_utf8
 from model import GPT
-from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
+from training import CKPT_NAME, discard_stdout, load_checkpoint, model_from_checkpoint, resolve_device
 from training.config import MAX_SEED
 from training.visualize import prompt_attention, save_attention_png
 
@@ -157,10 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except BrokenPipeError:
-        # the reader went away (`python sample.py | head`): stop quietly, as Unix tools do. Python would
-        # otherwise report the pipe again when it flushes stdout at exit, so stdout now goes nowhere.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # the reader went away (`python sample.py | head`)
+        discard_stdout()
         return 1
     return 0
 

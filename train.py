@@ -29,6 +29,7 @@ from training import (
     autocast_context,
     check_resumable,
     configure_optimizer,
+    discard_stdout,
     estimate_loss,
     exact_loss,
     help_text,
@@ -310,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         try:
             print(help_text(), flush=True)
-        except BrokenPipeError:  # `python train.py --help | head`: the reader went away; stop quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except BrokenPipeError:  # `python train.py --help | head`: the reader went away
+            discard_stdout()
         return 0
     try:
         cfg, _ = parse_args(argv)

@@ -13,7 +13,15 @@ from .checkpoint import (
 from .config import TrainConfig, help_text, parse_args
 from .evaluate import estimate_loss, exact_loss
 from .optim import configure_optimizer, lr_at, set_lr
-from .runtime import autocast_context, peak_flops, peak_memory_mb, resolve_device, resolve_dtype, run_facts
+from .runtime import (
+    autocast_context,
+    discard_stdout,
+    peak_flops,
+    peak_memory_mb,
+    resolve_device,
+    resolve_dtype,
+    run_facts,
+)
 
 __all__ = [
     "CKPT_NAME",
@@ -21,6 +29,7 @@ __all__ = [
     "autocast_context",
     "check_resumable",
     "configure_optimizer",
+    "discard_stdout",
     "estimate_loss",
     "exact_loss",
     "help_text",

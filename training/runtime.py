@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import subprocess
 import sys
@@ -97,6 +98,13 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         out["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return out
+
+
+def discard_stdout() -> None:
+    """After a BrokenPipeError on stdout (`python train.py --help | head`, `python sample.py | head`:
+    the reader went away), send stdout to /dev/null. The command then stops quietly, as Unix tools
+    do; otherwise Python reports the broken pipe again when it flushes stdout at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
