@@ -79,7 +79,12 @@ class RunLog:
 
             summary = Summary(value=[Summary.Value(tag=name, simple_value=float(value))
                                      for name, value in values.items()])
-            self.writer._get_file_writer().add_summary(summary, step)
+            self._add_summary(summary, step)
+
+    def _add_summary(self, summary: Any, step: int) -> None:
+        """Write a prebuilt Summary protobuf at `step`. SummaryWriter has no public call for that, so its
+        private file writer is reached here, and only here (one place to mend if torch renames it)."""
+        self.writer._get_file_writer().add_summary(summary, step)
 
     def progress(self, step: int, loss: float, lr: float, ms_per_step: float, tok_per_s: float) -> None:
         """The fixed progress line."""
@@ -127,7 +132,7 @@ class RunLog:
             h, w, c = image.shape
             value = Summary.Value(tag=tag, image=Summary.Image(height=h, width=w, colorspace=c,
                                                                encoded_image_string=png.getvalue()))
-            self.writer._get_file_writer().add_summary(Summary(value=[value]), step)
+            self._add_summary(Summary(value=[value]), step)
 
     def snapshot(self, step: int, model: GPT, corpus: Corpus, cfg: TrainConfig) -> None:
         """At an eval: a sample continuation of cfg.sample_prompt (text "sample") and the attention
@@ -177,9 +182,8 @@ class RunLog:
         from tensorboard.plugins.hparams.summary_v2 import hparams_pb
         from torch.utils.tensorboard.summary import hparams as torch_hparams
 
-        writer = self.writer._get_file_writer()
-        writer.add_summary(hparams_pb(hparams), step)  # TensorBoard's own: keeps bools as bools
-        writer.add_summary(torch_hparams(hparams, {})[2], step)  # session end: status success
+        self._add_summary(hparams_pb(hparams), step)  # TensorBoard's own: keeps bools as bools
+        self._add_summary(torch_hparams(hparams, {})[2], step)  # session end: status success
 
     def close(self) -> None:
         """Close the progress bar and flush and close the TensorBoard writer."""
