@@ -155,10 +155,12 @@ def hf_dataset(spec: str, split: str | None, text_column: str | None,
     if not local.exists() and (name.startswith((".", "/", "~")) or local.suffix in HF_BUILDERS
                                or name.count("/") > 1):
         raise ValueError(f"dataset=hf:{name}: no such file or directory (a hub id is NAME or OWNER/NAME)")
-    if not (local.exists() and not saved):
-        ds = _read(lambda: datasets.load_from_disk(str(local)) if saved
-                   else datasets.load_dataset(name, split=split, cache_dir=hf_cache), name, local=saved)
-        return _source(ds, name, split, text_column, saved)
+    if saved:
+        ds = _read(lambda: datasets.load_from_disk(str(local)), name, local=True)
+        return _source(ds, name, split, text_column, saved=True)
+    if not local.exists():  # a hub id
+        ds = _read(lambda: datasets.load_dataset(name, split=split, cache_dir=hf_cache), name, local=False)
+        return _source(ds, name, split, text_column, saved=False)
     builder, options = _local_builder(local, name)
     # A private cache for this one load, deleted once the text is out: datasets keys its own cache on
     # a local file's path and mtime, not its content (an edit that keeps the mtime, as cp -p, rsync -a
@@ -167,7 +169,7 @@ def hf_dataset(spec: str, split: str | None, text_column: str | None,
     with tempfile.TemporaryDirectory(dir=hf_cache, prefix="local-") as private:
         ds = _read(lambda: datasets.load_dataset(builder, **options, split=split, cache_dir=private), name,
                    local=True)
-        return _source(ds, name, split, text_column, saved)
+        return _source(ds, name, split, text_column, saved=False)
 
 
 def _read(load, name: str, local: bool):
@@ -235,7 +237,7 @@ def _local_builder(path: Path, name: str) -> tuple[str, dict]:
         raise ValueError(f"dataset=hf:{name}: the folder mixes data formats ({counts} files), of which "
                          f"datasets would read only one; keep one format, or point hf: at one file")
     # the text builder cuts lines; keeping their line breaks makes the rows concatenate to the files
-    options = {"keep_linebreaks": True} if all(f.suffix == ".txt" for f in files) else {}
+    options = {"keep_linebreaks": True} if formats == ["text"] else {}
     if path.is_file():
         return HF_BUILDERS[path.suffix], {"data_files": str(path), **options}
     return str(path), options  # a folder: datasets infers the format and the splits from file names
