@@ -177,8 +177,9 @@ class GPT(nn.Module):
             rope = self.rope_freqs[start:start + T]  # (T, D/2) complex
         x = self.drop(x)
         # (T, Tk), built once per forward and shared by every layer: ~10 us on a CPU, 0.04% of a
-        # laptop-recipe step (benchmarks/micro.py). Not a buffer cached at construction, so that an edit of causal_mask
-        # (or a test's substitute for it) takes effect on the next forward of an existing model.
+        # laptop-recipe step (benchmarks/micro.py). Not a buffer cached at construction, so that an
+        # edit of causal_mask (or a test's substitute for it) takes effect on the next forward of an
+        # existing model.
         # One new query against a cache may read every cached key (all are its past), so decoding
         # steps skip the mask: same numbers, less work per token.
         allowed = None if cache is not None and T == 1 else causal_mask(T, start + T, device=idx.device)
