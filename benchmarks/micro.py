@@ -85,26 +85,24 @@ def tensorboard_import() -> dict:
 
 def tensorboard_writes(tmp: Path) -> dict:
     """training/monitor.py: 4 scalars as one event vs add_scalar x 4, and the PNG compression level."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from torch.utils.tensorboard import SummaryWriter
+    from training.monitor import RunLog
 
-    writer = SummaryWriter(log_dir=str(tmp))
+    log = RunLog(tmp, total=1, initial=0, tensorboard=True)  # the project's own writer: one event
     values = {"train/loss": 1.0, "lr": 1e-3, "tokens_per_second": 1e4, "grad_norm": 0.5}
     step = [0]
 
     def one_event():
         step[0] += 1
-        summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-        writer._get_file_writer().add_summary(summary, step[0])
+        log.scalars(step[0], values)
 
     def four_events():
         step[0] += 1
         for k, v in values.items():
-            writer.add_scalar(k, v, step[0])
+            log.writer.add_scalar(k, v, step[0])
 
     one = median_seconds(one_event, repeats=5, number=200)
     four = median_seconds(four_events, repeats=5, number=200)
-    writer.close()
+    log.close()
     # one attention image as the laptop recipe writes it: 4 heads of a 32-character prompt
     maps = [torch.softmax(torch.randn(4, 32, 32), -1)]
     image = render_attention(maps, list("abcdefghijklmnopqrstuvwxyzABCDEF"), [0])

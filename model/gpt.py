@@ -176,8 +176,8 @@ class GPT(nn.Module):
         else:
             rope = self.rope_freqs[start:start + T]  # (T, D/2) complex
         x = self.drop(x)
-        # (T, Tk), built once per forward and shared by every layer: ~10 us on a CPU, 0.04% of a
-        # laptop-recipe step (benchmarks/micro.py). Not a buffer cached at construction, so that an
+        # (T, Tk), built once per forward and shared by every layer: ~10 us on a CPU, under 0.05% of
+        # a laptop-recipe step (benchmarks/micro.py). Not a buffer cached at construction, so that an
         # edit of causal_mask (or a test's substitute for it) takes effect on the next forward of an
         # existing model.
         # One new query against a cache may read every cached key (all are its past), so decoding

@@ -157,7 +157,7 @@ class RunLog:
             if device.type == "cpu":
                 # one token at a time is latency-bound: extra threads only wait for each other, and on
                 # a machine whose cores are busy that made the sample slower and erratic (benchmarks/micro.py:
-                # 0.11 s median, up to 1.4 s, on two threads vs 0.07 s on one; idle, the two are equal)
+                # 0.11-0.12 s median, up to 1.1-1.4 s, on two threads vs 0.07-0.09 s on one; idle, within 15%)
                 torch.set_num_threads(1)
             try:
                 with evaluating(model):

@@ -24,7 +24,7 @@ def orthogonalize(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16
     """Approximate U V^T for G = U S V^T with a few Newton-Schulz iterations (no SVD).
 
     The iteration only has to land the singular values near 1, so it runs in bfloat16 (as Muon's
-    reference does): 1.5x faster than float32 on a CPU with bf16 matrix units (AMX; benchmarks/micro.py).
+    reference does): 1.4-1.5x faster than float32 on a CPU with bf16 matrix units (AMX; benchmarks/micro.py).
 
     Args:
         G: (rows, cols) or a stack (n, rows, cols) of same-shape matrices, orthogonalised each.
