@@ -31,7 +31,7 @@ open(sys.argv[1], "w").write(" ".join(random.choice(words) for _ in range(20000)
 EOF
     TRAIN_ARGS=(--max_iters=30 --eval_interval=10 --eval_iters=2 --n_layer=2 --n_head=2 --n_embd=64
                 --block_size=64 --batch_size=8 --compile=false)
-    KV_ARGS=(--small --repeats=1)
+    KV_ARGS=(--small --repeats=1 --new_tokens=150 --slide=16)  # past the 64-token block: the sliding window too
 else
     DEVICE=cuda
     DATA=${SHAKESPEARE:-data_cache/tinyshakespeare/input.txt}

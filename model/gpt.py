@@ -223,14 +223,19 @@ class GPT(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        slide: int = 1,
     ) -> Tensor:
         """Sample max_new_tokens tokens after idx.
 
-        With use_cache, keys and values of earlier positions are kept per layer and each step feeds
-        one token, while the whole sequence fits in block_size. Past block_size the context window
-        slides, and every cached key was computed in an earlier window (at another position, from
-        other context): each step then re-prefills the last block_size tokens, which is exactly the
-        crop-and-recompute reference (use_cache=False), only no faster.
+        The model reads a window of at most block_size tokens. With use_cache, keys and values of
+        the window's earlier positions are kept per layer and each step feeds one new token. Once
+        the window is full it slides: its first `slide` tokens are dropped, which moves every
+        remaining token to another position, so the cache is rebuilt from the new window in one
+        forward (a re-prefill). slide=1 keeps the window full, as nanoGPT's crop-and-recompute does,
+        and re-prefills every step: exact, but no faster than use_cache=False. slide=k re-prefills
+        once every k tokens and decodes the rest from the cache; each token then reads between
+        block_size - k + 1 and block_size tokens of context. use_cache=False follows the same
+        windows by recomputing each one in full, so both paths give the same tokens for any slide.
 
         Args:
             idx: (B, T) prompt token ids, T >= 1.
@@ -240,10 +245,11 @@ class GPT(nn.Module):
             top_p: keep the smallest set of tokens whose probability mass reaches top_p.
             generator: RNG for sampling.
             use_cache: use the KV cache (identical tokens, much faster).
+            slide: how many tokens a full window drops at once, 1 <= slide <= block_size.
         Returns:
             (B, T + max_new_tokens) token ids.
         """
-        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache))
+        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache, slide))
         return torch.cat([idx, *(t[:, None] for t in new)], dim=1)
 
     @torch.inference_mode()
@@ -256,6 +262,7 @@ class GPT(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        slide: int = 1,
     ) -> Iterator[Tensor]:
         """Like generate, but yields each new token (B,) as soon as it is drawn."""
         if idx.dim() != 2 or idx.size(1) < 1:
@@ -263,21 +270,26 @@ class GPT(nn.Module):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         block = self.config.block_size
+        if isinstance(slide, bool) or not isinstance(slide, int) or not 1 <= slide <= block:
+            raise ValueError(f"slide must be an integer in [1, block_size={block}], got {slide!r}")
         context = idx[:, -block:]  # (B, <=block) the window the next token is predicted from
-        cache: KVCache | None = None
+        cache: KVCache | None = None  # keys and values of context[:, :-1], when they are still valid
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits = self.lm_head(self.hidden(context)[:, -1])  # (B, V)
             else:
-                if cache is None or cache.length >= block:
-                    # (re-)prefill: the whole window in one forward
+                if cache is None:  # (re-)prefill: the whole window in one forward
                     cache = self._new_cache(idx.size(0), idx.device)
                     h = self.hidden(context, cache)
                 else:
                     h = self.hidden(context[:, -1:], cache)  # only the newest token
                 logits = self.lm_head(h[:, -1])  # (B, V)
             next_id = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
-            context = torch.cat((context, next_id), dim=1)[:, -block:]
+            context = torch.cat((context, next_id), dim=1)
+            if context.size(1) > block:
+                # the window slides: every token left in it moves to another position (and has lost
+                # some of its own context), so no cached key is valid any more
+                context, cache = context[:, slide:], None
             yield next_id[:, 0]
 
     def _new_cache(self, B: int, device: torch.device) -> KVCache:

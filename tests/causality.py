@@ -254,19 +254,21 @@ def check_dropout_causality(backend: str = "manual", seed: int = 3, **options) -
     return Check(f"model: dropout causality ({backend})", quiet == 0 and fired > 0, quiet, fired)
 
 
-def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 16, seed: int = 4) -> Check:
-    """Cached and uncached generation draw identical tokens from the same generator."""
+def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 16, seed: int = 4, slide: int = 1) -> Check:
+    """Cached and uncached generation draw identical tokens from the same generator (with the window
+    sliding `slide` tokens at a time once it is full)."""
     def gen(s: int) -> torch.Generator:
         return torch.Generator(device=prompt.device).manual_seed(s)
 
-    runs = [model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed), use_cache=use_cache)
+    runs = [model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed), use_cache=use_cache,
+                           slide=slide)
             for use_cache in (True, False)]
     differ = (runs[0] != runs[1]).sum().item()
     # positive control: a different seed draws different tokens, so equality above is informative
-    other = model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed + 1))
+    other = model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed + 1), slide=slide)
     fired = (other != runs[0]).sum().item()
-    return Check(f"model: KV-cache parity ({model.config.attn_backend})", differ == 0 and fired > 0,
-                 float(differ), float(fired))
+    return Check(f"model: KV-cache parity ({model.config.attn_backend}, slide={slide})",
+                 differ == 0 and fired > 0, float(differ), float(fired))
 
 
 def check_chunked_prefill(model: GPT, x: Tensor, split: int | None = None) -> Check:

@@ -71,6 +71,15 @@ def test_cached_and_uncached_generation_draw_identical_tokens(backend):
     assert_ok(C.check_cache_parity(model, C.random_tokens(3, 3, model.config.vocab_size)))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("slide", [3, 10])
+def test_cached_and_uncached_generation_agree_when_the_window_slides_several_tokens(backend, slide):
+    """slide=3: a re-prefill every third token past block_size 10, cached steps in between; slide=10:
+    the window empties to the newest token. 40 new tokens cross the block several times."""
+    model = C.leak_test_model(backend)
+    assert_ok(C.check_cache_parity(model, C.random_tokens(3, 3, model.config.vocab_size), 40, slide=slide))
+
+
 def test_leak_checks_pass_on_checkpoint_weights(request, tmp_path):
     """With --ckpt PATH: the checks on that trained model. Without: on a checkpoint written here
     from a re-drawn model, so the load path is exercised either way."""

@@ -90,6 +90,56 @@ def test_greedy_generation_is_argmax_of_the_cropped_context():
     assert torch.equal(out[:, -1], logits[:, -1].argmax(-1))
 
 
+def greedy_over_windows(model: GPT, prompt: torch.Tensor, n: int, slide: int) -> torch.Tensor:
+    """The documented windows, by index: predict from seq[start:], and once the window holds more
+    than block_size tokens move its start `slide` tokens on. Greedy, one full forward per token."""
+    block, seq = model.config.block_size, prompt
+    start = max(0, prompt.size(1) - block)
+    for _ in range(n):
+        logits, _ = model(seq[:, start:])
+        seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        if seq.size(1) - start > block:
+            start += slide
+    return seq
+
+
+@pytest.mark.parametrize("prompt_len", [3, 20])  # shorter and longer than block_size 12
+@pytest.mark.parametrize("slide", [1, 5, 12])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_past_block_size_reads_the_documented_windows(prompt_len, slide, use_cache):
+    model = redraw_parameters_(GPT(tiny()).double()).eval()
+    prompt = torch.randint(11, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    out = model.generate(prompt, 40, temperature=0, use_cache=use_cache, slide=slide)
+    assert torch.equal(out, greedy_over_windows(model, prompt, 40, slide))
+    # positive control: another slide reads other windows and, here, draws other tokens
+    other = 7 if slide != 7 else 2
+    assert not torch.equal(out, greedy_over_windows(model, prompt, 40, other))
+
+
+@pytest.mark.parametrize("slide, fed", [
+    # 3-token prompt, block_size 12, 30 new tokens. The window first overflows after the 10th token.
+    # slide=4: the 9 tokens left are re-prefilled, then 3 steps of one token, and again
+    (4, [3] + [1] * 9 + ([9] + [1] * 3) * 5),
+    # slide=1: the window stays full, so every step from then on is a full re-prefill
+    (1, [3] + [1] * 9 + [12] * 20),
+])
+def test_the_cache_feeds_one_token_per_step_between_slides(slide, fed):
+    """The speed claim, counted: how many tokens each forward of the cached path processes."""
+    model = GPT(tiny()).eval()
+    seen = []
+    real_hidden = model.hidden
+    model.hidden = lambda idx, *a, **kw: seen.append(idx.size(1)) or real_hidden(idx, *a, **kw)
+    model.generate(torch.zeros(1, 3, dtype=torch.long), 30, use_cache=True, slide=slide)
+    assert seen == fed
+
+
+@pytest.mark.parametrize("slide", [0, 13, 2.0, True])
+def test_a_slide_outside_one_to_block_size_is_refused(slide):
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match=f"slide must be an integer in \\[1, block_size=12\\], got {slide!r}"):
+        model.generate(torch.zeros(1, 1, dtype=torch.long), 1, slide=slide)
+
+
 @pytest.mark.parametrize("temperature", [1e-30, 1e-300])
 def test_a_tiny_temperature_samples_the_argmax_instead_of_overflowing(temperature):
     """logits / 1e-300 overflows float32 to inf and the softmax to NaN, unless the logits are shifted

@@ -130,12 +130,23 @@ def test_characters_stream_out_one_by_one_and_speed_goes_to_stderr(ckpt, capsys)
 @pytest.mark.parametrize("flag, message", [("--temperature=-1", "--temperature must be a finite number >= 0"),
                                            ("--top_k=-1", "--top_k must be >= 0"),
                                            ("--top_p=0", r"--top_p must be in \(0, 1\]"),
-                                           ("--top_p=1.5", r"--top_p must be in \(0, 1\]")])
+                                           ("--top_p=1.5", r"--top_p must be in \(0, 1\]"),
+                                           ("--slide=0", "--slide must be >= 1"),
+                                           ("--slide=1000", "--slide must be at most the model's block_size")])
 def test_bad_sampling_flags_are_refused_before_anything_is_printed(ckpt, flag, message):
     out = io.StringIO()
     with pytest.raises(ValueError, match=message):
         sample.sample(sample.build_parser().parse_args(["--ckpt", ckpt, flag]), out)
     assert out.getvalue() == ""
+
+
+def test_a_sliding_window_gives_the_same_text_with_and_without_the_cache(ckpt):
+    """120 characters run far past the checkpoint's block_size: with --slide=5 the cached path
+    re-prefills every fifth token and the uncached one recomputes the same windows."""
+    flags = ("--prompt=ROMEO:", "--max_new_tokens=120", "--seed=7", "--temperature=1", "--top_k=0")
+    slid = run(ckpt, *flags, "--slide=5")
+    assert slid == run(ckpt, *flags, "--slide=5", "--no_cache")
+    assert slid != run(ckpt, *flags)  # the windows past block_size differ from --slide=1's
 
 
 def test_help_lists_every_option_with_its_default():
