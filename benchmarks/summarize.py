@@ -12,6 +12,11 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from training import discard_stdout  # noqa: E402
 
 
 def table(rows: list[dict], baseline: str | None = None) -> str:
@@ -44,7 +49,11 @@ def main(argv: list[str]) -> int:
         p.error("the files hold no rows")
     if args.baseline is not None and args.baseline not in names:
         p.error(f"--baseline={args.baseline!r} is not a variant in the files; they have: {sorted(names)}")
-    print(table(rows, args.baseline))
+    try:
+        print(table(rows, args.baseline))
+    except BrokenPipeError:  # `summarize.py ... | head`: the reader went away
+        discard_stdout()
+        return 1
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -69,3 +70,20 @@ def test_check_plan_refuses_a_step_count_that_is_not_a_positive_integer(steps):
     plan = {"base": "configs/debug.toml", "budget_seconds": 1.0, "variant": [{"name": "odd", "steps": steps}]}
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         ablate.check_plan(plan)
+
+
+def test_summarize_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """`summarize.py rows.jsonl | head -c 20`: a table longer than the pipe's buffer meets a closed
+    pipe; that ends the script without a traceback."""
+    row = {"steps": 1, "ms_per_step_timing_run": 1.0, "train_seconds": 1.0, "wall_seconds": 1.0,
+           "tokens_per_second": 1.0, "final_val_loss": 1.0}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({**row, "name": f"variant-{i}"}) + "\n" for i in range(3000)))
+    proc = subprocess.Popen([sys.executable, "benchmarks/summarize.py", str(rows)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = proc.stdout.read(20)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert len(head) == 20
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+    assert proc.returncode == 1
