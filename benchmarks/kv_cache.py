@@ -9,7 +9,8 @@ crop-and-recompute loop nanoGPT uses (one full forward of the context per token,
 last position only). Both draw from generators with the same seed and must give identical tokens.
 Each path is timed `repeats` times, alternating, and the fastest run of each is reported.
 
-More than 255 new tokens overflow the block: the window then slides `--slide` tokens at a time (see
+More than 256 new tokens overflow the block (the window then holds the prompt and 256 new ones
+when the next is appended), and from then on it slides `--slide` tokens at a time (see
 GPT.generate). With --slide=1 both paths recompute the full window every token from then on; with
 --slide=k the cached path re-prefills once every k tokens, and the uncached path recomputes the
 same windows, so the tokens must still be identical.
@@ -75,16 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--new_tokens", type=int, default=None,
+                   help="tokens to generate; None = 256, or 63 with --small: what fits in the block "
+                        "(default: %(default)s)")
     p.add_argument("--slide", type=int, default=1, help="tokens a full window drops at once (GPT.generate)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", default="sdpa", choices=("manual", "sdpa"))
-    p.add_argument("--small", action="store_true", help="a tiny model, for a smoke test of the script")
+    p.add_argument("--small", action="store_true", help="a tiny model (block 64), for a smoke test of the script")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     size = dict(n_layer=2, n_head=2, n_embd=32, block_size=64) if args.small else {}
     try:
-        result = run(args.device, args.new_tokens, args.repeats, args.backend, args.slide, **size)
+        new_tokens = args.new_tokens if args.new_tokens is not None else (63 if args.small else 256)
+        result = run(args.device, new_tokens, args.repeats, args.backend, args.slide, **size)
     except ValueError as e:  # e.g. a slide larger than the block
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -73,10 +73,11 @@ def test_cached_and_uncached_generation_draw_identical_tokens(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("slide", [3, 10])
-def test_cached_and_uncached_generation_agree_when_the_window_slides_several_tokens(backend, slide):
+@pytest.mark.parametrize("options", [{}, C.MODERN], ids=["learned", "rope-qk_norm"])
+def test_cached_and_uncached_generation_agree_when_the_window_slides_several_tokens(backend, slide, options):
     """slide=3: a re-prefill every third token past block_size 10, cached steps in between; slide=10:
     the window empties to the newest token. 40 new tokens cross the block several times."""
-    model = C.leak_test_model(backend)
+    model = C.leak_test_model(backend, **options)
     assert_ok(C.check_cache_parity(model, C.random_tokens(3, 3, model.config.vocab_size), 40, slide=slide))
 
 
