@@ -3,7 +3,9 @@
     python benchmarks/bench.py CONFIG.toml [--field=value ...] [--json=FILE] [--target_val=X]
 
 Runs the real training loop (train.train) on the config with TensorBoard off, then prints one
-JSON object and optionally writes it to --json. Timing figures come from the loop's own clock:
+JSON object and optionally writes it to --json. The run writes into a temporary directory that is
+deleted afterwards, unless --out_dir is given: a benchmark must not replace the checkpoint a real
+run of the same config left in its out_dir. Timing figures come from the loop's own clock:
 evaluation is excluded from train_seconds and ms/step; wall_seconds is the whole process from
 start-up (imports included) to the summary.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 
 T_PROCESS = time.perf_counter()  # before torch is imported: start-up counts in the wall time
@@ -45,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         else:
             rest.append(arg)
-    cfg, _ = parse_args(rest + ["--tensorboard=false"])
-    summary = train.train(cfg, rest, verbose=False)
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        if not any(a.split("=")[0] == "--out_dir" for a in rest):
+            rest = rest + [f"--out_dir={tmp}"]
+        cfg, _ = parse_args(rest + ["--tensorboard=false"])
+        summary = train.train(cfg, rest, verbose=False)
     result = {
         "config": {k: v for k, v in cfg.to_dict().items() if k not in ("dataset", "cache_dir", "out_dir")},
         "device": summary["device"],

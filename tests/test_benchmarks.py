@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import ablate  # noqa: E402
+import bench  # noqa: E402
 import summarize  # noqa: E402
 
 PLANS = sorted((ROOT / "benchmarks" / "plans").glob("*.toml"))
@@ -87,3 +88,22 @@ def test_summarize_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     assert len(head) == 20
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
     assert proc.returncode == 1
+
+
+def test_bench_leaves_the_configs_own_out_dir_alone(tmp_path, capsys):
+    """bench.py on a config whose out_dir holds a trained run: the benchmark trains elsewhere (a
+    temporary directory), so the run's checkpoint survives; --out_dir still chooses a directory."""
+    from tiny_runs import tiny_config
+
+    cfg = tiny_config(tmp_path, max_iters=2, eval_interval=1)
+    real = tmp_path / "out"
+    real.mkdir()
+    (real / "ckpt.pt").write_bytes(b"a trained model")
+    toml = tmp_path / "tiny.toml"
+    toml.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in cfg.to_dict().items()))
+    assert bench.main([str(toml)]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 2
+    assert sorted(p.name for p in real.iterdir()) == ["ckpt.pt"]
+    assert (real / "ckpt.pt").read_bytes() == b"a trained model"
+    assert bench.main([str(toml), f"--out_dir={tmp_path / 'chosen'}"]) == 0
+    assert (tmp_path / "chosen" / "summary.json").exists()
