@@ -81,6 +81,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     device = dist.device
     micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank; the global batch stays
     dtype = resolve_dtype(cfg.dtype, device, work=cfg.batch_size * cfg.block_size * cfg.n_embd)
+    guard.float16 = dtype == torch.float16
     autocast = autocast_context(device, dtype)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
     if device.type == "cuda":
@@ -178,7 +179,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
             if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
                 guard.check_before_save(model)  # names the first non-finite training loss, if there was one
                 raise FloatingPointError(f"the loss estimate at step {step} is not finite (train {losses['train']}, "
-                                         f"val {losses['val']}); stopped without saving: {ckpt_path} is untouched")
+                                         f"val {losses['val']}); stopped without saving: {guard.kept()}")
             last_val = losses["val"]
             history.append({"step": step, "train_loss": losses["train"], "val_loss": losses["val"],
                             "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - t_start})

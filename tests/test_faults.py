@@ -268,6 +268,19 @@ def test_non_finite_loss_stops_naming_its_step_and_leaves_the_last_checkpoint_un
     assert (out / CKPT_NAME).read_bytes() == good
 
 
+def test_a_non_finite_loss_before_any_save_says_no_checkpoint_was_written(corpus, tmp_path, monkeypatch, capsys):
+    """A fresh float32 run that goes nan at step 2, before its first checkpoint: the message must not
+    claim a ckpt.pt is 'untouched' when there is none, nor suggest leaving float16 it never used."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(GPT, "forward", _forward_poisoned_at(3, float("nan")))  # call 3 = step 2
+    assert train.main(args(corpus, out, "--max_iters=20", "--log_interval=5", "--dtype=float32")) == 1
+    err = capsys.readouterr().err
+    assert "loss is nan at step 2" in err
+    assert f"no checkpoint was written ({out / CKPT_NAME} does not exist)" in err
+    assert "untouched" not in err and "float16" not in err
+    assert not (out / CKPT_NAME).exists()
+
+
 def test_a_non_finite_loss_reaching_an_eval_before_a_log_step_is_named_not_a_traceback(
         corpus, tmp_path, monkeypatch, capsys):
     """Step 7's loss is nan; the eval of step 8 comes before the log step 10 and would draw the

@@ -35,6 +35,8 @@ class RunGuard:
         distributed: True when this process is one rank of several; then poll() agrees with the
             other ranks (one all-reduce at log steps) so every rank stops at the same step.
         announce: print a line to stderr when a signal arrives (rank 0 of a verbose run).
+
+    `float16` (set by the trainer once the dtype is known) adds the bfloat16 hint to the advice.
     """
 
     def __init__(self, device: torch.device, ckpt_path: str | Path, distributed: bool = False,
@@ -42,6 +44,7 @@ class RunGuard:
         self.ckpt_path = Path(ckpt_path)
         self.distributed = distributed
         self.announce = announce
+        self.float16 = False
         self.signum: int | None = None  # the first stop signal received, if any
         self._first_bad = torch.full((), NO_STEP, dtype=torch.int64, device=device)
         self._bad_loss = torch.zeros((), dtype=torch.float32, device=device)
@@ -125,17 +128,24 @@ class RunGuard:
         finite = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
         if not finite.item():
             raise FloatingPointError(f"the model's weights are no longer finite; stopped without saving: "
-                                     f"{self.ckpt_path} is untouched. {_ADVICE}")
+                                     f"{self.kept()}. {self._advice()}")
 
     def _raise_if_bad(self, first_bad: int, bad_loss: float, local: bool) -> None:
         if first_bad == NO_STEP:
             return
         what = f"loss is {bad_loss}" if local else "loss is not finite (on another rank)"
         raise FloatingPointError(f"{what} at step {first_bad}; stopped without saving anything from that "
-                                 f"step on: {self.ckpt_path} is untouched. {_ADVICE}")
+                                 f"step on: {self.kept()}. {self._advice()}")
 
+    def kept(self) -> str:
+        """What a run stopped for a non-finite loss leaves on disk, for its error message."""
+        if self.ckpt_path.exists():
+            return f"{self.ckpt_path} is untouched"
+        return f"no checkpoint was written ({self.ckpt_path} does not exist)"
 
-_ADVICE = "Try a lower learning_rate, grad_clip > 0, or dtype=bfloat16 instead of float16."
+    def _advice(self) -> str:
+        return "Try a lower learning_rate or grad_clip > 0" + (
+            ", or dtype=bfloat16 instead of float16." if self.float16 else ".")
 
 
 def signal_name(signum: int) -> str:
