@@ -107,8 +107,15 @@ def main(argv: list[str]) -> int:
         check_plan(plan)
     except (OSError, tomllib.TOMLDecodeError, ValueError) as e:
         raise SystemExit(f"error: plan {plan_path}: {e}") from None
-    seeds = [int(s) for s in opts["--seeds"].split(",")]
+    try:
+        seeds = [int(s) for s in opts["--seeds"].split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --seeds={opts['--seeds']!r} is not a comma-separated list of integers") from None
+    names = [v["name"] for v in plan["variant"]]
     only = set(opts["--only"].split(",")) if opts["--only"] else None
+    if only and only - set(names):
+        raise SystemExit(f"error: --only names {sorted(only - set(names))}, not variants of {plan_path}; "
+                         f"it has: {names}")
     out = Path(opts["--out"])
     variants = [v for v in plan["variant"] if not only or v["name"] in only]
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -75,13 +75,13 @@ def run(device: str = "cpu", new_tokens: int = 256, repeats: int = 3, backend: s
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--new_tokens", type=int, default=None,
                    help="tokens to generate; None = 256, or 63 with --small: what fits in the block "
                         "(default: %(default)s)")
     p.add_argument("--slide", type=int, default=1, help="tokens a full window drops at once (GPT.generate)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--backend", default="sdpa", choices=("manual", "sdpa"))
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each path; the fastest counts")
+    p.add_argument("--backend", default="sdpa", choices=("manual", "sdpa"), help="attention backend")
     p.add_argument("--small", action="store_true", help="a tiny model (block 64), for a smoke test of the script")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 from pathlib import Path
 
@@ -53,9 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("ckpt", type=Path, help="a nanoGPT out_dir/ckpt.pt")
     p.add_argument("--dataset", required=True, help="the text nanoGPT was trained on (input.txt)")
-    p.add_argument("--cache_dir", default="data_cache")
+    p.add_argument("--cache_dir", default="data_cache", help="where the encoded corpus is cached")
     args = p.parse_args(argv)
-    ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=True)  # plain tensors, dicts and numbers
+    try:
+        ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=True)  # plain tensors, dicts and numbers
+    except (OSError, RuntimeError, pickle.UnpicklingError) as e:
+        raise SystemExit(f"error: cannot read {args.ckpt}: {e}") from None
+    if not isinstance(ckpt, dict) or "model_args" not in ckpt:
+        raise SystemExit(f"error: {args.ckpt} is not a nanoGPT checkpoint (no model_args); for one of this "
+                         "project's checkpoints, the exact val loss is final_val_loss in its summary.json")
     margs = ckpt["model_args"]
     if margs.get("bias"):
         raise SystemExit("error: only nanoGPT models with bias=False are converted")

@@ -43,7 +43,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--baseline", default=None, help="variant the 'vs baseline' column compares with "
                    "(default: the first one)")
     args = p.parse_args(argv)
-    rows = [json.loads(line) for path in args.jsonl for line in open(path) if line.strip()]
+    rows = []
+    for path in args.jsonl:
+        try:
+            with open(path) as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+        except (OSError, json.JSONDecodeError) as e:
+            p.error(f"{path}: {e}")
     names = {r["name"] for r in rows}
     if not rows:
         p.error("the files hold no rows")

@@ -80,13 +80,19 @@ def run_ours(config: str, extra: list[str], dataset: str, tmp: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nanogpt", required=True, type=Path)
-    p.add_argument("--dataset", required=True)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--ours", nargs="+", default=["configs/shakespeare_char_cpu.toml"])
+    p.add_argument("--nanogpt", required=True, type=Path,
+                   help="a nanoGPT checkout whose data/shakespeare_char/ is prepared (prepare.py run)")
+    p.add_argument("--dataset", required=True, help="the same text, input.txt, for our runs")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of every program; medians reported")
+    p.add_argument("--ours", nargs="+", default=["configs/shakespeare_char_cpu.toml"],
+                   help="our config(s) to run against nanoGPT")
     p.add_argument("--ours_args", default="", help="extra --field=value overrides for our run")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write every run and the medians here")
     args = p.parse_args(argv)
+    if not (args.nanogpt / "train.py").is_file():
+        p.error(f"--nanogpt={args.nanogpt}: no nanoGPT train.py there")
+    if not Path(args.dataset).is_file():
+        p.error(f"--dataset={args.dataset}: no such file")
     runs = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -434,7 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", help="a checkpoint to check (default: re-drawn random models, every check)")
     p.add_argument("--T", type=int, default=16, help="sequence length for checkpoint checks")
     args = p.parse_args(argv)
-    checks = checkpoint_checks(args.ckpt, args.T) if args.ckpt else all_checks()
+    try:
+        checks = checkpoint_checks(args.ckpt, args.T) if args.ckpt else all_checks()
+    except ValueError as e:  # no checkpoint there, or not one of ours: say so in one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for c in checks:
         print(c)
     return 0 if all(c.ok for c in checks) else 1

@@ -107,3 +107,51 @@ def test_bench_leaves_the_configs_own_out_dir_alone(tmp_path, capsys):
     assert (real / "ckpt.pt").read_bytes() == b"a trained model"
     assert bench.main([str(toml), f"--out_dir={tmp_path / 'chosen'}"]) == 0
     assert (tmp_path / "chosen" / "summary.json").exists()
+
+
+def test_ablate_refuses_unknown_variant_names_and_non_integer_seeds():
+    plan = str(PLANS[0])
+    with pytest.raises(SystemExit, match=r"--only names \['nosuch'\], not variants of .*; it has: \["):
+        ablate.main([plan, "--dataset=x", "--only=nosuch"])
+    with pytest.raises(SystemExit, match="--seeds='1,a' is not a comma-separated list of integers"):
+        ablate.main([plan, "--dataset=x", "--seeds=1,a"])
+
+
+@pytest.mark.parametrize("content, message", [(None, "No such file"), ("not json\n", "Expecting value")])
+def test_summarize_names_a_missing_or_malformed_file(tmp_path, capsys, content, message):
+    path = tmp_path / "rows.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit):
+        summarize.main([str(path)])
+    err = capsys.readouterr().err
+    assert f"error: {path}: " in err and message in err and "Traceback" not in err
+
+
+def test_nanogpt_exact_val_refuses_a_checkpoint_that_is_not_nanogpts(tmp_path):
+    import nanogpt_exact_val
+    import torch
+
+    ours = tmp_path / "ckpt.pt"
+    torch.save({"model": {}, "model_config": {}}, ours)
+    with pytest.raises(SystemExit, match="is not a nanoGPT checkpoint"):
+        nanogpt_exact_val.main([str(ours), "--dataset=x"])
+    with pytest.raises(SystemExit, match="cannot read"):
+        nanogpt_exact_val.main([str(tmp_path / "missing.pt"), "--dataset=x"])
+
+
+def test_vs_nanogpt_checks_the_checkout_before_running_anything(tmp_path, capsys):
+    import vs_nanogpt
+
+    with pytest.raises(SystemExit):
+        vs_nanogpt.main([f"--nanogpt={tmp_path}", "--dataset=x"])
+    assert "no nanoGPT train.py there" in capsys.readouterr().err
+
+
+def test_causality_script_names_a_missing_checkpoint_in_one_line(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import causality
+
+    assert causality.main(["--ckpt", str(tmp_path / "missing.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.pt" in err and "Traceback" not in err
