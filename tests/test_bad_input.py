@@ -319,6 +319,14 @@ def test_damaged_or_foreign_checkpoint_is_refused_by_resume_and_sample(run_dir, 
     assert_refused(rc, err, out, before, message)
 
 
+def test_sample_given_a_run_directory_as_ckpt_says_so(run_dir, capsys):
+    """--ckpt=OUT_DIR (a directory) is an easy slip for --out_dir=OUT_DIR: the error says which it is."""
+    _, out, _ = run_dir
+    before = snapshot(out)
+    rc, err = run_sample(capsys, f"--ckpt={out}")
+    assert_refused(rc, err, out, before, f"{out} is a directory, not a checkpoint file")
+
+
 def test_a_flipped_weight_byte_would_load_silently_without_the_crc_check(run_dir):
     """Why load_checkpoint checks CRCs: torch.load itself returns the wrong number without a word."""
     _, out, _ = run_dir

@@ -83,6 +83,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if not path.parent.is_dir():
         raise ValueError(f"no checkpoint at {path}: the directory {path.parent} does not exist "
                          "(train a model there first, or point --out_dir at a finished run)")
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a checkpoint file: give its ckpt.pt, or the "
+                         "directory as --out_dir")
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}")
     try:

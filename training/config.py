@@ -56,9 +56,9 @@ class TrainConfig:
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
     max_iters: int = _f(5000, "optimizer steps")
     learning_rate: float = _f(1e-3, "peak learning rate")
-    min_lr: float = _f(1e-4, "learning rate at the end of the cosine decay")
+    min_lr: float = _f(1e-4, "learning rate at the end of the decay (cosine or wsd), and after it")
     warmup_iters: int = _f(100, "steps of linear warmup")
-    lr_decay_iters: int = _f(5000, "step at which the cosine decay reaches min_lr")
+    lr_decay_iters: int = _f(5000, "step at which the decay (cosine or wsd) reaches min_lr")
     weight_decay: float = _f(0.1, "AdamW weight decay (2-D weights only)")
     optimizer: str = _f("adamw", "AdamW for everything, or Muon for the blocks' matrices + AdamW for the rest",
                         ("adamw", "muon"))
