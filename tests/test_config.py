@@ -87,3 +87,15 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert lr_at(110, cfg) == lr_at(199, cfg) == 0.1
     lrs = [lr_at(s, cfg) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_wsd_schedule_holds_the_peak_then_decays_linearly_to_min_lr():
+    """warmup 10, decay ends at 110, cooldown 0.3: stable from 10 until 110 - 33 = 77, then linear."""
+    cfg = TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200,
+                      lr_schedule="wsd", cooldown_frac=0.3)
+    assert lr_at(9, cfg) == pytest.approx(10 / 11)  # the same warmup as cosine
+    assert lr_at(10, cfg) == lr_at(50, cfg) == lr_at(76, cfg) == 1.0
+    assert lr_at(77, cfg) == pytest.approx(1.0)
+    assert lr_at(99, cfg) == pytest.approx(1 - (22 / 33) * 0.9)
+    assert lr_at(109, cfg) == pytest.approx(1 - (32 / 33) * 0.9)
+    assert lr_at(110, cfg) == lr_at(199, cfg) == 0.1

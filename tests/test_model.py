@@ -192,3 +192,15 @@ def test_rotary_attention_sees_only_relative_positions():
     torch.testing.assert_close(shifted, at_start, rtol=0, atol=1e-6)  # complex64 angles: ~1e-7
     unrotated = attn(x, causal_mask(6, 6))
     assert (unrotated - at_start).abs().max() > 1e-2  # and the rotation does act
+
+
+def test_flops_per_token_is_six_per_weight_plus_the_attention_term():
+    """6 * N + 12 * n_layer * n_embd * T, N without the position table (which is a lookup, not a
+    matmul). N = 6496 here: the tied 17x16 embedding, per layer 2 LayerNorms (16 each), qkv 16x48,
+    proj 16x16, fc 16x64 and proj 64x16, and the final LayerNorm."""
+    cfg = dict(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    N = 17 * 16 + 2 * (16 + 16 * 48 + 16 * 16 + 16 + 16 * 64 + 64 * 16) + 16
+    assert N == 6496
+    assert GPT(GPTConfig(**cfg)).flops_per_token() == 6 * N + 12 * 2 * 16 * 8  # T = block_size
+    assert GPT(GPTConfig(**cfg)).flops_per_token(4) == 6 * N + 12 * 2 * 16 * 4
+    assert GPT(GPTConfig(**cfg, pos_emb="rope")).flops_per_token() == 6 * N + 12 * 2 * 16 * 8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from training import TrainConfig, configure_optimizer
-from training.muon import orthogonalize
+from training import TrainConfig, configure_optimizer, lr_at, set_lr
+from training.muon import Muon, orthogonalize
 from training.optim import AdamW
 
 
@@ -102,3 +103,57 @@ def test_grad_scaler_drives_our_optimizers_in_float16():
         scaler.update()
         assert all(torch.isfinite(p).all() for p in model.parameters())
         assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_adamw_decays_exactly_the_2d_weights_and_holds_each_parameter_once():
+    """A parameter in two groups would be updated twice per step; a decayed bias or norm weight is
+    pulled to 0. Neither changes a loss enough for a training test to notice."""
+    model = _model()
+    opt = configure_optimizer(model, TrainConfig(weight_decay=0.1))
+    held = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(held) == sorted(id(p) for p in model.parameters())
+    for g in opt.param_groups:
+        dims = {p.dim() for p in g["params"]}
+        assert dims in ({2}, {1})
+        assert g["weight_decay"] == (0.1 if dims == {2} else 0.0)
+
+
+def test_muon_takes_the_block_matrices_and_set_lr_scales_each_group_from_its_base_lr():
+    model = _model()
+    cfg = TrainConfig(optimizer="muon", learning_rate=1e-3, min_lr=1e-4, muon_lr=0.02, weight_decay=0.1,
+                      warmup_iters=10, lr_decay_iters=100)
+    opt = configure_optimizer(model, cfg)
+    muon, *adamw = opt.param_groups
+    assert muon["use_muon"] and muon["weight_decay"] == 0.0
+    assert {id(p) for p in muon["params"]} == {id(p) for n, p in model.named_parameters()
+                                                if p.dim() == 2 and n.startswith("blocks.")}
+    held = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(held) == sorted(id(p) for p in model.parameters())
+    lr = set_lr(opt, 50, cfg)  # mid-decay: each group at its own base_lr times the schedule's factor
+    assert lr == lr_at(50, cfg)
+    assert muon["lr"] == pytest.approx(0.02 * lr / 1e-3)
+    assert all(g["lr"] == pytest.approx(lr) for g in adamw)
+
+
+def test_muon_step_is_orthogonalised_nesterov_momentum_scaled_up_for_tall_matrices():
+    """Three steps on a tall and a wide matrix against the rule written out: m = beta m + (1 - beta) g,
+    u = (1 - beta) g + beta m, change = -lr sqrt(max(1, rows / cols)) orthogonalize(u). One step
+    would not do: with m = 0 the momentum only rescales g, which orthogonalize cancels. The tolerance
+    is for orthogonalize's bfloat16 arithmetic on inputs rounded differently."""
+    g = torch.Generator().manual_seed(0)
+    tall = torch.nn.Parameter(torch.randn(48, 16, generator=g))
+    wide = torch.nn.Parameter(torch.randn(16, 48, generator=g))
+    lr, beta = 0.1, 0.9
+    opt = Muon([{"params": [tall, wide], "use_muon": True, "lr": lr, "momentum": beta, "weight_decay": 0.0}])
+    momentum = {p: torch.zeros_like(p) for p in (tall, wide)}
+    for _ in range(3):
+        before = {p: p.detach().clone() for p in (tall, wide)}
+        for p in (tall, wide):
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        for p in (tall, wide):
+            momentum[p] = beta * momentum[p] + (1 - beta) * p.grad
+            update = (1 - beta) * p.grad + beta * momentum[p]
+            scale = math.sqrt(max(1, p.size(0) / p.size(1)))
+            expected = -lr * scale * orthogonalize(update[None])[0]
+            torch.testing.assert_close(p.detach() - before[p], expected, atol=0.03 * lr * scale, rtol=0)
