@@ -1,11 +1,10 @@
 """Contracts a second mutation run found unpinned: data caching and encoding, checkpoints and resume,
-which split and seed each loss comes from, what the monitor logs, config refusals, signal handling
-and sample.py's options. Each docstring names the bug (a single-line change to the code) it was
-shown to catch."""
+which split and seed each loss comes from, what the monitor logs, config refusals and signal
+handling (its sample.py findings are in test_sample.py). Each docstring names the bug (a single-line
+change to the code) it was shown to catch."""
 
 from __future__ import annotations
 
-import io
 import json
 import signal
 import threading
@@ -16,7 +15,6 @@ import pytest
 import torch
 from tiny_runs import TEXT, tiny_config
 
-import sample
 import train
 from data import CharTokenizer, Corpus, atomic_file, check_split_sizes, encode_corpus, load_corpus, sources
 from data import corpus as corpus_mod
@@ -352,48 +350,3 @@ def test_a_second_sigterm_takes_the_default_action(monkeypatch):
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # our handler is gone
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-# --- sample.py ---------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gaps_sample")
-    _half_run(folder)  # block_size 16
-    return str(folder / "out" / "ckpt.pt")
-
-
-def _sample(ckpt, *flags):
-    return sample.sample(sample.build_parser().parse_args(["--ckpt", ckpt, "--device=cpu", *flags]), io.StringIO())
-
-
-def test_slide_may_equal_block_size_and_zero_new_tokens_echo_the_prompt(ckpt):
-    """Catches (--slide=block_size refused) and (--max_new_tokens=0 refused)."""
-    assert len(_sample(ckpt, "--prompt=ROMEO:", "--max_new_tokens=30", "--slide=16")[0]) == 36
-    assert _sample(ckpt, "--prompt=ROMEO:", "--max_new_tokens=0") == ["ROMEO:"]
-
-
-def test_no_cache_reaches_the_model(ckpt, monkeypatch):
-    """Catches (--no_cache ignored; the cache/no-cache equality test then compares a path with itself)."""
-    seen = []
-    real = GPT.stream
-    monkeypatch.setattr(GPT, "stream", lambda self, *a, **k: seen.append(k["use_cache"]) or real(self, *a, **k))
-    _sample(ckpt, "--max_new_tokens=3", "--no_cache")
-    _sample(ckpt, "--max_new_tokens=3")
-    assert seen == [False, True]
-
-
-def test_the_empty_prompt_is_refused_by_name(ckpt):
-    """Catches (`if not prompt` -> `if prompt is None`: a shape error from the model instead)."""
-    with pytest.raises(ValueError, match="the prompt is empty"):
-        _sample(ckpt, "--prompt=")
-
-
-@pytest.mark.parametrize("length", [17, 40])
-def test_attention_png_of_a_long_prompt_draws_its_last_block_size_characters(ckpt, tmp_path, length):
-    """Catches (the first block_size characters drawn) and (a prompt of block_size + 1 not cut)."""
-    prompt = TEXT[:length]
-    assert sample.main(["--ckpt", ckpt, "--device=cpu", f"--prompt={prompt}", f"--attention_png={tmp_path}/a.png"]) == 0
-    assert sample.main(["--ckpt", ckpt, "--device=cpu", f"--prompt={prompt[-16:]}",
-                        f"--attention_png={tmp_path}/b.png"]) == 0
-    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()

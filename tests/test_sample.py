@@ -1,5 +1,5 @@
 """sample.py in-process on a briefly trained checkpoint: the attention PNG shows the causal triangle,
-greedy decoding, top-k/top-p, --prompt_file, --num_samples, streaming and --help."""
+greedy decoding, top-k/top-p, --prompt_file, --num_samples, --slide, --no_cache, streaming and --help."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_runs
 import torch
 from tiny_runs import tiny_config
 
@@ -170,3 +171,35 @@ def test_a_reader_that_stops_early_ends_sampling_quietly(ckpt):
     assert len(head) == 20
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
     assert proc.returncode == 1
+
+
+def test_slide_may_equal_block_size_and_zero_new_tokens_echo_the_prompt(ckpt):
+    """Catches (--slide=block_size refused) and (--max_new_tokens=0 refused)."""
+    assert len(run(ckpt, "--prompt=ROMEO:", "--max_new_tokens=30", "--slide=16")[0]) == 36
+    assert run(ckpt, "--prompt=ROMEO:", "--max_new_tokens=0") == ["ROMEO:"]
+
+
+def test_no_cache_reaches_the_model(ckpt, monkeypatch):
+    """Catches (--no_cache ignored; the cache/no-cache equality test then compares a path with itself)."""
+    seen = []
+    real = sample.GPT.stream
+    monkeypatch.setattr(sample.GPT, "stream", lambda self, *a, **k: seen.append(k["use_cache"]) or real(self, *a, **k))
+    run(ckpt, "--max_new_tokens=3", "--no_cache")
+    run(ckpt, "--max_new_tokens=3")
+    assert seen == [False, True]
+
+
+def test_the_empty_prompt_is_refused_by_name(ckpt):
+    """Catches (`if not prompt` -> `if prompt is None`: a shape error from the model instead)."""
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        run(ckpt, "--prompt=")
+
+
+@pytest.mark.parametrize("length", [17, 40])
+def test_attention_png_of_a_long_prompt_draws_its_last_block_size_characters(ckpt, tmp_path, length):
+    """Catches (the first block_size characters drawn) and (a prompt of block_size + 1 not cut)."""
+    prompt = tiny_runs.TEXT[:length]
+    assert sample.main(["--ckpt", ckpt, "--device=cpu", f"--prompt={prompt}", f"--attention_png={tmp_path}/a.png"]) == 0
+    assert sample.main(["--ckpt", ckpt, "--device=cpu", f"--prompt={prompt[-16:]}",
+                        f"--attention_png={tmp_path}/b.png"]) == 0
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
