@@ -98,16 +98,19 @@ def attention(
         weights: (B, H, Tq, Tk) attention weights after masking and softmax (before dropout);
             every row sums to 1 and not-allowed positions are exactly 0.
     Raises:
-        ValueError: a query row has no allowed key (its softmax would be 0/0 = NaN).
+        ValueError: a query row has no allowed key (its softmax would be 0/0 = NaN). Checked when
+            the mask is on the CPU; on a GPU such a row gives NaN instead (see below).
     """
     D = q.size(-1)
     # 1. similarity of every query with every key, scaled so the logits' variance stays ~1
     scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, Tq, Tk)
     if allowed is not None:
-        # (a check first: a row with nothing allowed would silently become NaN below.
-        # Under torch.compile the data-dependent check would break the graph; the masks the model
-        # builds always keep the diagonal, so it is only skipped there.)
-        if not torch.compiler.is_compiling() and not bool(allowed.any(dim=-1).all()):
+        # (a check first: a row with nothing allowed would silently become NaN below. Reading its
+        # answer on the host costs microseconds on a CPU but makes a GPU wait for all queued work,
+        # once per layer of every forward, so it runs for CPU masks only: the mask tests run on the
+        # CPU, and on a GPU the NaN still stops training at the next log step (RunGuard). Under
+        # torch.compile it would break the graph; the model's masks always keep the diagonal.)
+        if allowed.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(allowed.any(dim=-1).all()):
             raise ValueError("attention: a query row has no allowed key; every query must see >= 1 key")
         # 2. mask BEFORE the softmax: -inf becomes exactly 0 weight, and the row renormalises
         scores = scores.masked_fill(~allowed, float("-inf"))  # (B, H, Tq, Tk)

@@ -108,3 +108,80 @@ def test_cpu_bfloat16_training_follows_float32_training(tmp_path, backend):
     (start32, end32), (start16, end16) = finals["float32"], finals["bfloat16"]
     assert end32 < start32 - 1.5 and end16 < start16 - 1.5, finals
     assert abs(end16 - end32) < 0.05, finals
+
+
+# Every way Python code can pull a tensor's value onto the host. On a GPU each one waits for the
+# device to finish all queued work (a synchronisation), so the loop may use them on log and eval
+# steps only. On a CPU nothing waits, but the same calls show where a GPU would.
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+
+# On a CPU the manual backend reads its (CPU) mask on the host by design: model/attention.py checks
+# that every query row keeps a key, free there; with a GPU mask that check is skipped (tested below).
+HOST_READ_CASES = [("cpu", "sdpa")] + ([("cuda", "sdpa"), ("cuda", "manual")] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device, backend", HOST_READ_CASES)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_training_steps_between_log_steps_never_read_a_tensor_on_the_host(tmp_path, monkeypatch, device,
+                                                                         backend, optimizer):
+    """Issue 4's "no synchronisation per step; .item() only at log steps", checked step by step.
+
+    12 steps, logged every 4th, evaluated at 0 and 12, with clipping and 2 micro-batches: steps 1-3,
+    5-7 and 9-10 must not read a tensor on the host (each host read is recorded with the step it
+    happened in), while log steps must (so the recording is known to work). On CUDA the same steps
+    also run under torch.cuda.set_sync_debug_mode("error"), which raises on any synchronising call,
+    including those inside PyTorch that the recording cannot see.
+    """
+    from tiny_runs import tiny_config
+
+    import train
+
+    current = {"step": None}
+    reads: dict[int, list[str]] = {}
+    log_steps = {0, 4, 8, 11, 12}  # eval at 0 and 12 (the last), log every 4 and at max_iters - 1
+    real_set_lr = train.set_lr
+
+    def set_lr(optimizer, step, cfg):  # called first thing in every step of the loop
+        current["step"] = step
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default" if step in log_steps else "error")
+        return real_set_lr(optimizer, step, cfg)
+
+    def recording(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if current["step"] is not None:
+                reads.setdefault(current["step"], []).append(name)
+            return real(self, *args, **kwargs)
+        return read
+
+    monkeypatch.setattr(train, "set_lr", set_lr)
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, recording(name))
+    cfg = tiny_config(tmp_path, device=device, attn_backend=backend, optimizer=optimizer, max_iters=12, log_interval=4,
+                      eval_interval=100, gradient_accumulation_steps=2, grad_clip=1.0, tensorboard=False,
+                      exact_val=False)
+    try:
+        train.train(cfg, verbose=False)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    quiet = {step: names for step, names in reads.items() if step not in log_steps}
+    assert not quiet, f"host reads on steps that are not log steps: {quiet}"
+    assert {4, 8, 11} <= reads.keys(), f"the log steps read nothing: the recording is broken ({reads})"
+
+
+def test_the_mask_check_reads_only_masks_on_the_cpu():
+    """attention() refuses a CPU mask with an empty query row, but does not read a mask held on another
+    device (a host read there waits for the device; on a GPU that was once per layer of every forward).
+    The meta device stands in for a GPU: any host read of a meta tensor raises."""
+    from model.attention import attention
+
+    q = k = v = torch.zeros(1, 1, 2, 4)
+    empty_row = torch.tensor([[True, False], [False, False]])
+    with pytest.raises(ValueError, match="no allowed key"):
+        attention(q, k, v, empty_row)
+    out, weights = attention(q.to("meta"), k.to("meta"), v.to("meta"), empty_row.to("meta"))
+    assert out.device.type == "meta" and out.shape == (1, 1, 2, 4) and weights.shape == (1, 1, 2, 2)
