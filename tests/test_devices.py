@@ -185,3 +185,22 @@ def test_the_mask_check_reads_only_masks_on_the_cpu():
         attention(q, k, v, empty_row)
     out, weights = attention(q.to("meta"), k.to("meta"), v.to("meta"), empty_row.to("meta"))
     assert out.device.type == "meta" and out.shape == (1, 1, 2, 4) and weights.shape == (1, 1, 2, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["manual", "sdpa"])
+@pytest.mark.parametrize("pos_emb, qk_norm", [("learned", False), ("rope", True)])
+def test_the_training_forward_compiles_to_one_graph(device, backend, pos_emb, qk_norm):
+    """train.py compiles the model on a GPU; a graph break (a host read, a data-dependent branch) would
+    silently split every step into pieces with Python between them. fullgraph=True turns any break
+    into an error. backend="eager" traces with TorchDynamo but generates no kernels, so this takes
+    about a second; the traced model must still compute the same logits."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=16, attn_backend=backend,
+                          pos_emb=pos_emb, qk_norm=qk_norm)).to(device)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.randint(20, (2, 16), device=device)
+    logits, loss = compiled(x, x)
+    loss.backward()
+    assert torch.equal(logits, model(x)[0])
+    assert all(p.grad is not None for p in model.parameters())
