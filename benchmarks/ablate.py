@@ -87,6 +87,7 @@ def ms_per_step(base: str, overrides: dict, dataset: str, tmp: Path, steps: int 
 
 
 def main(argv: list[str]) -> int:
+    """Command line (see the module docstring); returns the exit status."""
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0

@@ -36,6 +36,7 @@ def time_to_target(history: list[dict], target: float) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line: train.py's arguments plus --json and --target_val; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     own = {"--json": None, "--target_val": None}
     rest = []

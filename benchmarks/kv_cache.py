@@ -73,6 +73,7 @@ def run(device: str = "cpu", new_tokens: int = 256, repeats: int = 3, backend: s
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line; exit status 0 when both paths drew identical tokens, 1 when not, 2 on a bad option."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")

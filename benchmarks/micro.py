@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from training.muon import orthogonalize  # noqa: E402
 from training.visualize import render_attention  # noqa: E402
 
 
-def median_seconds(fn, repeats: int = 5, number: int = 1) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int = 5, number: int = 1) -> float:
     """Median over `repeats` of the mean time of `number` calls of fn()."""
     fn()  # warm-up
     times = []
@@ -148,6 +149,7 @@ def sample_threads() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line: measure every figure, print them (and write --json); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)

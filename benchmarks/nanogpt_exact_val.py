@@ -51,6 +51,7 @@ def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line (see the module docstring); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("ckpt", type=Path, help="a nanoGPT out_dir/ckpt.pt")
     p.add_argument("--dataset", required=True, help="the text nanoGPT was trained on (input.txt)")

@@ -20,6 +20,9 @@ from training import discard_stdout  # noqa: E402
 
 
 def table(rows: list[dict], baseline: str | None = None) -> str:
+    """ablate.py rows as a markdown table, one line per variant: val per seed, mean, difference to
+    the baseline's mean (the first variant unless named), steps, ms/step, and the mean train
+    seconds, wall seconds and tokens/s."""
     names = list(dict.fromkeys(r["name"] for r in rows))
     by = {n: [r for r in rows if r["name"] == n] for n in names}
     base = statistics.mean(r["final_val_loss"] for r in by[baseline or names[0]])
@@ -38,6 +41,7 @@ def table(rows: list[dict], baseline: str | None = None) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """Command line (see the module docstring); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("jsonl", nargs="+", help="ablate.py output files (JSON lines)")
     p.add_argument("--baseline", default=None, help="variant the 'vs baseline' column compares with "

@@ -51,6 +51,8 @@ def timed(cmd: list[str], cwd: Path, log: Path) -> tuple[float, float, int]:
 
 
 def run_nanogpt(path: Path, tmp: Path) -> dict:
+    """Run nanoGPT's laptop command from its checkout at `path` (output under tmp); returns its wall
+    time, peak RSS, ms/step and final val estimate, parsed from its log."""
     log = tmp / "nanogpt.log"
     wall, rss, rc = timed([sys.executable, *NANOGPT_CMD.split(), f"--out_dir={tmp / 'nanogpt_out'}"], path, log)
     text = log.read_text()
@@ -79,6 +81,7 @@ def run_ours(config: str, extra: list[str], dataset: str, tmp: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line (see the module docstring); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nanogpt", required=True, type=Path,
                    help="a nanoGPT checkout whose data/shakespeare_char/ is prepared (prepare.py run)")
