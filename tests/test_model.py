@@ -160,6 +160,37 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_most_likely_token():
     assert torch.equal(model.generate(prompt, 8, temperature=1.0, top_p=1e-9, generator=g), greedy)
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p, expected", [
+    (1.0, None, None, [0.4, 0.3, 0.2, 0.1]),
+    (0.5, None, None, [16 / 30, 9 / 30, 4 / 30, 1 / 30]),  # p^(1/T), renormalised
+    (1.0, 2, None, [4 / 7, 3 / 7, 0, 0]),
+    (1.0, None, 0.65, [4 / 7, 3 / 7, 0, 0]),  # 0.4 < 0.65 before the 2nd, 0.7 >= 0.65 before the 3rd
+    (1.0, None, 0.75, [4 / 9, 3 / 9, 2 / 9, 0]),  # the smallest set whose mass reaches 0.75
+    (1.0, None, 0.35, [1, 0, 0, 0]),  # the likeliest token alone already reaches 0.35
+    # top_p acts on what top_k kept, renormalised ([4, 3, 2] / 9: 7/9 >= 0.75 before the 3rd), as
+    # Hugging Face's samplers order them; on the full distribution it would keep three tokens
+    (1.0, 3, 0.75, [4 / 7, 3 / 7, 0, 0]),
+])
+def test_sample_next_draws_from_exactly_the_filtered_renormalised_distribution(monkeypatch, temperature, top_k,
+                                                                            top_p, expected):
+    """The distribution handed to torch.multinomial, captured and compared: which tokens survive
+    top_k and top_p, and their renormalised probabilities. The vocabulary is permuted, so the
+    nucleus must be mapped back from sorted order to token ids."""
+    from model.gpt import sample_next
+
+    perm = torch.tensor([2, 0, 3, 1])  # token perm[i] has the i-th largest probability
+    probs = torch.zeros(4, dtype=torch.float64)
+    probs[perm] = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    seen = []
+    monkeypatch.setattr(torch, "multinomial", lambda p, num_samples, generator=None: seen.append(p) or
+                        torch.zeros(p.size(0), 1, dtype=torch.long))
+    sample_next(probs.log()[None], temperature=temperature, top_k=top_k, top_p=top_p)
+    want = torch.zeros(4, dtype=torch.float64)
+    want[perm] = torch.tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(seen[0][0], want, rtol=0, atol=1e-12)
+    assert torch.equal(seen[0][0] == 0, want == 0)  # dropped tokens exactly 0, kept ones not
+
+
 def test_rope_rotates_each_channel_pair_forward_by_position_times_frequency():
     """The RoFormer convention, pinned: pair (x0, x1) at position p becomes (x0 cos a - x1 sin a,
     x0 sin a + x1 cos a) with a = p * 10000^(-2i/D). A mirrored rotation (conjugate frequencies) is
