@@ -122,7 +122,10 @@ def attention(
     if dropout_p > 0.0:
         # 4. dropout acts on weights that are already masked, so it can only zero a weight, never
         # re-admit a masked key
-        keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= dropout_p
+        # (generator=None is left out rather than passed: that overload of torch.rand takes concrete
+        # sizes only, so torch.compile failed on it once a second batch size made the shapes dynamic)
+        rng = {"generator": generator} if generator is not None else {}
+        keep = torch.rand(weights.shape, device=weights.device, **rng) >= dropout_p
         dropped = weights * keep / (1.0 - dropout_p)
     # 5. each query's output is its weighted average of the values
     out = dropped @ v  # (B, H, Tq, Dv)

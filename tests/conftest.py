@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -14,6 +16,16 @@ PANGRAMS = (
     "Pack my box with five dozen liquor jugs!\n"
     "How vexingly quick daft zebras jump; sphinx of black quartz, judge my vow?\n"
 )
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """Forget what torch.compile traced once a test ends. Its caches are per process and keyed on the
+    code, so a later test compiling GPT.forward at another batch size would otherwise get a
+    dynamic-shape recompile instead of the fresh compile it means to test."""
+    yield
+    if "torch._dynamo" in sys.modules:  # never imported by tests that do not compile: no cost there
+        sys.modules["torch._dynamo"].reset()
 
 
 @pytest.fixture

@@ -204,3 +204,21 @@ def test_the_training_forward_compiles_to_one_graph(device, backend, pos_emb, qk
     loss.backward()
     assert torch.equal(logits, model(x)[0])
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["manual", "sdpa"])
+def test_training_with_dropout_compiles_with_dynamic_shapes(device, backend):
+    """A second batch size makes torch.compile retrace with symbolic shapes. The manual attention's
+    dropout draw once broke there (torch.rand with generator=None takes concrete sizes only), so a
+    compiled run with dropout failed as soon as a shape changed; dynamic=True traces symbolically
+    from the start."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2, n_embd=16, attn_backend=backend,
+                          dropout=0.1)).to(device).train()
+    compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=True)
+    for batch in (2, 3):
+        x = torch.randint(20, (batch, 16), device=device)
+        _, loss = compiled(x, x)
+        loss.backward()
+        assert torch.isfinite(loss)
