@@ -49,11 +49,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         else:
             rest.append(arg)
+    target = None
+    if own["--target_val"] is not None:  # checked now, not after a training run that may take minutes
+        try:
+            target = float(own["--target_val"])
+        except ValueError:
+            print(f"error: --target_val must be a number, got {own['--target_val']!r}", file=sys.stderr)
+            return 2
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         if not any(a.split("=")[0] == "--out_dir" for a in rest):
             rest = rest + [f"--out_dir={tmp}"]
-        cfg, _ = parse_args(rest + ["--tensorboard=false"])
-        summary = train.train(cfg, rest, verbose=False)
+        try:
+            cfg, _ = parse_args(rest + ["--tensorboard=false"])
+            summary = train.train(cfg, rest, verbose=False)
+        except (ValueError, FloatingPointError, ImportError, OSError) as e:  # as train.py reports them
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     result = {
         "config": {k: v for k, v in cfg.to_dict().items() if k not in ("dataset", "cache_dir", "out_dir")},
         "device": summary["device"],
@@ -70,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "best_val_loss": summary["best_val_loss"],
         "params": summary["params"],
     }
-    if own["--target_val"] is not None:
-        target = float(own["--target_val"])
+    if target is not None:
         result["target_val"] = target
         result["time_to_target"] = time_to_target(summary["history"], target)
     text = json.dumps(result, indent=2)

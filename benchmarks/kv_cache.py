@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     size = dict(n_layer=2, n_head=2, n_embd=32, block_size=64) if args.small else {}
+    for name in ("repeats", "new_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            print(f"error: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     try:
         new_tokens = args.new_tokens if args.new_tokens is not None else (63 if args.small else 256)
         result = run(args.device, new_tokens, args.repeats, args.backend, args.slide, **size)

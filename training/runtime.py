@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,10 +72,21 @@ def resolve_dtype(name: str, device: torch.device, work: int | None = None) -> t
     return DTYPES[name]
 
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts), in FLOP/s. MFU is only
-# reported for devices listed here, or with an explicit peak: a guessed peak would be a made-up figure.
-PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
-                   "A10G": 70e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12}
+# Dense bf16 tensor-core peaks from the vendors' data sheets, in FLOP/s, each with the pattern that
+# picks its part out of torch.cuda.get_device_name. MFU is only reported for devices listed here, or
+# with an explicit peak: a guessed peak would be a made-up figure. The patterns match whole words
+# ("L4" is not the L40, "A100" not an RTX A1000) and leave out variants with another peak (an H100
+# PCIe or NVL, a 4090 D or laptop 4090, a 3090 Ti): those get no MFU unless --peak_tflops is given.
+PEAK_BF16_FLOPS = [
+    (r"\bH200\b(?!.*\bNVL\b)", 989.4e12),  # SXM: "NVIDIA H200" (not a GH200, not an H200 NVL)
+    (r"\bH100\b(?!.*\b(PCIe|NVL)\b)", 989.4e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    (r"\bA100\b", 312e12),  # SXM and PCIe alike
+    (r"\bL40S\b", 362e12),
+    (r"\bL4\b", 121e12),
+    (r"\bA10G\b", 70e12),
+    (r"\bRTX 4090\b(?!.*\b(D|Laptop)\b)", 165.2e12),
+    (r"\bRTX 3090\b(?!.*\b(Ti|Laptop)\b)", 71e12),
+]
 
 
 def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
@@ -84,8 +96,8 @@ def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | No
         return override_tflops * 1e12
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, peak in PEAK_BF16_FLOPS.items():
-            if key in name:
+        for pattern, peak in PEAK_BF16_FLOPS:
+            if re.search(pattern, name):
                 return peak
     return None
 
@@ -94,7 +106,8 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
     """Peak resident memory of this process (CPU RSS) and, on CUDA, the peak allocated by PyTorch."""
     import resource
 
-    out = {"cpu_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    rss_unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in bytes on macOS, KiB on Linux
+    out = {"cpu_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * rss_unit / 2**20}
     if device.type == "cuda":
         out["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return out
