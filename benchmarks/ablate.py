@@ -128,10 +128,17 @@ def main(argv: list[str]) -> int:
             for variant in variants:
                 overrides = {**plan.get("overrides", {}), **variant.get("overrides", {})}
                 timings[variant["name"]].append(ms_per_step(plan["base"], overrides, opts["--dataset"], tmp))
+        budget: dict[str, tuple[float, int]] = {}  # name -> (median ms/step, steps), all known before training
         for variant in variants:
-            overrides = {**plan.get("overrides", {}), **variant.get("overrides", {})}
             ms = statistics.median(timings[variant["name"]])
             steps = variant["steps"] if "steps" in variant else int(plan["budget_seconds"] * 1000 / ms)
+            if steps < 1:
+                raise SystemExit(f"error: variant {variant['name']!r}: budget_seconds={plan['budget_seconds']} is "
+                                 f"shorter than one step ({ms:.1f} ms)")
+            budget[variant["name"]] = ms, steps
+        for variant in variants:
+            overrides = {**plan.get("overrides", {}), **variant.get("overrides", {})}
+            ms, steps = budget[variant["name"]]
             for seed in seeds:
                 run = {**overrides, "dataset": opts["--dataset"], "seed": seed, "max_iters": steps,
                        "lr_decay_iters": steps, "eval_interval": steps, "log_interval": max(1, steps // 10)}

@@ -47,7 +47,8 @@ def timed(cmd: list[str], cwd: Path, log: Path) -> tuple[float, float, int]:
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return wall, usage.ru_maxrss / 1024, proc.returncode
+    rss_unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in bytes on macOS, KiB on Linux
+    return wall, usage.ru_maxrss * rss_unit / 2**20, proc.returncode
 
 
 def run_nanogpt(path: Path, tmp: Path) -> dict:
@@ -110,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), flush=True)
                 runs.append(row)
 
-    def med(prog: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs if r["program"] == prog)
+    def med(prog: str, key: str) -> float | None:
+        # None where no run has the figure (e.g. --ours_args=--exact_val=false): the summary must not
+        # be lost to a TypeError after every run has finished
+        values = [r[key] for r in runs if r["program"] == prog and r[key] is not None]
+        return statistics.median(values) if values else None
 
     summary = {"machine": os.uname().machine, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
                "runs": runs, "nanoGPT": {k: med("nanoGPT", k) for k in ("wall_seconds", "ms_per_step_median",

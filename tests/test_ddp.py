@@ -100,6 +100,7 @@ def test_only_rank_zero_logs_evaluates_and_saves_the_unwrapped_model(two_process
     assert stdout.count("step 20: train loss") == 1 and stdout.count("summary: ") == 1
     ckpt = load_checkpoint(out / CKPT_NAME)
     assert ckpt["step"] == STEPS
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
     assert not [k for k in ckpt["model"] if k.startswith(("module.", "_orig_mod."))]
     assert "tok_emb.weight" in ckpt["model"]
     # every rank ran the same number of forward/backward passes: MICRO / 2 per step
