@@ -25,19 +25,18 @@ import pytest
 import torch
 from tiny_runs import write_corpus
 
+import ablate
+import micro
+import nanogpt_exact_val
+import summarize
 import train
+import vs_nanogpt
 from data import load_corpus
 from model import GPT, GPTConfig
 from training import TrainConfig, configure_optimizer, exact_loss, help_text, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import ablate  # noqa: E402
-import micro  # noqa: E402
-import nanogpt_exact_val  # noqa: E402
-import summarize  # noqa: E402
-import vs_nanogpt  # noqa: E402
 
 # --- benchmarks/vs_nanogpt.py -------------------------------------------------------------------------
 

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import ablate
+import bench
+import summarize
 
-import ablate  # noqa: E402
-import bench  # noqa: E402
-import summarize  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PLANS = sorted((ROOT / "benchmarks" / "plans").glob("*.toml"))
 
@@ -129,8 +128,9 @@ def test_summarize_names_a_missing_or_malformed_file(tmp_path, capsys, content, 
 
 
 def test_nanogpt_exact_val_refuses_a_checkpoint_that_is_not_nanogpts(tmp_path):
-    import nanogpt_exact_val
     import torch
+
+    import nanogpt_exact_val
 
     ours = tmp_path / "ckpt.pt"
     torch.save({"model": {}, "model_config": {}}, ours)
@@ -149,7 +149,6 @@ def test_vs_nanogpt_checks_the_checkout_before_running_anything(tmp_path, capsys
 
 
 def test_causality_script_names_a_missing_checkpoint_in_one_line(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "tests"))
     import causality
 
     assert causality.main(["--ckpt", str(tmp_path / "missing.pt")]) == 2

@@ -26,15 +26,13 @@ import numpy as np
 import pytest
 import torch
 
+import bench
+import kv_cache
 from model import GPT, GPTConfig
 from training import autocast_context, peak_flops, peak_memory_mb, resolve_device, resolve_dtype, run_facts
 from training.visualize import EMPTY, HIGH, INVALID, LOW, colour, layout_for, prompt_attention, render_attention
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench  # noqa: E402
-import kv_cache  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
