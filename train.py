@@ -306,6 +306,11 @@ def _checkpoint_state(model: GPT, optimizer: ParamGroupOptimizer, cfg: TrainConf
             "rng": _rng_state(batch_gen, device), "history": list(history)}
 
 
+# What a run can meet that is the user's or the machine's doing (a bad value, a missing file or package,
+# a full disk, a non-finite loss, an unreachable rendezvous): one line and exit status 1, no traceback.
+RUN_ERRORS = (ValueError, FloatingPointError, ConnectionError, ImportError, OSError)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: returns the exit status (0 done, 1 an error, 128 + N stopped by signal N)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -325,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         summary = train(cfg, argv)
-    except (ValueError, FloatingPointError, ConnectionError, ImportError, OSError) as e:
+    except RUN_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a Ctrl-C during set-up, or a second one during the loop

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg, _ = parse_args(rest + ["--tensorboard=false"])
             summary = train.train(cfg, rest, verbose=False)
-        except (ValueError, FloatingPointError, ImportError, OSError) as e:  # as train.py reports them
+        except train.RUN_ERRORS as e:  # reported as train.py reports them
             print(f"error: {e}", file=sys.stderr)
             return 1
     result = {
