@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tiny_runs
 import torch
-from tiny_runs import tiny_config
+from tiny_runs import TEXT, tiny_config
 
 import sample
 import train
@@ -198,7 +197,7 @@ def test_the_empty_prompt_is_refused_by_name(ckpt):
 @pytest.mark.parametrize("length", [17, 40])
 def test_attention_png_of_a_long_prompt_draws_its_last_block_size_characters(ckpt, tmp_path, length):
     """Catches (the first block_size characters drawn) and (a prompt of block_size + 1 not cut)."""
-    prompt = tiny_runs.TEXT[:length]
+    prompt = TEXT[:length]
     assert sample.main(["--ckpt", ckpt, "--device=cpu", f"--prompt={prompt}", f"--attention_png={tmp_path}/a.png"]) == 0
     assert sample.main(["--ckpt", ckpt, "--device=cpu", f"--prompt={prompt[-16:]}",
                         f"--attention_png={tmp_path}/b.png"]) == 0
