@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import statistics
 import sys
 import types
@@ -538,6 +539,35 @@ def test_nanogpt_exact_val_refuses_what_it_cannot_score(tmp_path, corpus_file):
                                          f"the checkpoint {corpus.tokenizer.vocab_size + 1}$"):
         nanogpt_exact_val.main([str(ckpt), *argv])
 
+
+
+def nanogpt_meta(path: Path, chars: list[str]) -> Path:
+    """A meta.pkl as nanoGPT's data/shakespeare_char/prepare.py writes one."""
+    with open(path, "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)),
+                     "stoi": {c: i for i, c in enumerate(chars)}}, f)
+    return path
+
+
+def test_nanogpt_exact_val_checks_the_characters_of_nanogpts_meta(tmp_path, corpus_file, capsys):
+    """--meta: nanoGPT's own vocabulary is accepted; the same characters in another order (as many
+    symbols, so the size check passes) are refused, and so is a pickle that would call a function."""
+    corpus = load_corpus(str(corpus_file), tmp_path / "cache")
+    chars = corpus.tokenizer.chars
+    ckpt = tmp_path / "ckpt.pt"
+    nanogpt_checkpoint(ckpt, random_model(len(chars)))
+    argv = [str(ckpt), f"--dataset={corpus_file}", f"--cache_dir={tmp_path / 'cache'}"]
+    assert nanogpt_exact_val.main([*argv, f"--meta={nanogpt_meta(tmp_path / 'meta.pkl', chars)}"]) == 0
+    assert "exact_val_loss" in json.loads(capsys.readouterr().out)
+    swapped = nanogpt_meta(tmp_path / "swapped.pkl", [chars[1], chars[0], *chars[2:]])
+    with pytest.raises(SystemExit, match=f"error: {swapped} maps ids to other characters"):
+        nanogpt_exact_val.main([*argv, f"--meta={swapped}"])
+    hostile = tmp_path / "hostile.pkl"
+    hostile.write_bytes(pickle.dumps({"itos": math.sqrt}))  # names a global: must not be imported
+    with pytest.raises(SystemExit, match=r"error: cannot read nanoGPT's vocabulary .*refusing to load math\.sqrt"):
+        nanogpt_exact_val.main([*argv, f"--meta={hostile}"])
+    with pytest.raises(SystemExit, match="error: cannot read nanoGPT's vocabulary"):
+        nanogpt_exact_val.main([*argv, f"--meta={tmp_path / 'missing.pkl'}"])
 
 # --- benchmarks/micro.py ------------------------------------------------------------------------------
 
