@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out_dir", default="out/shakespeare_char", help="run directory holding ckpt.pt")
     p.add_argument("--ckpt", default=None, help="checkpoint file; None = OUT_DIR/ckpt.pt (default: %(default)s)")
-    p.add_argument("--prompt", default="\n", help="text to continue (default: %(default)r, a newline)")
-    p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file instead")
+    p.add_argument("--prompt", default=None, help="text to continue; None = a newline (default: %(default)s)")
+    p.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file instead of --prompt")
     p.add_argument("--max_new_tokens", type=int, default=500, help="characters to generate per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; <1 sharper, >1 more random")
     p.add_argument("--top_k", type=int, default=200, help="sample only among the k likeliest tokens (0 = all)")
@@ -92,7 +92,9 @@ def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int]]:
     ckpt = load_checkpoint(args.ckpt or Path(args.out_dir) / CKPT_NAME, map_location=device)
     model, tok = model_from_checkpoint(ckpt, device, dropout=0.0)
     model.eval()
-    prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
+    if args.prompt_file and args.prompt is not None:
+        raise ValueError("give the prompt as --prompt or as --prompt_file, not both")
+    prompt = read_prompt(args.prompt_file) if args.prompt_file else ("\n" if args.prompt is None else args.prompt)
     if not prompt:
         raise ValueError("the prompt is empty; give at least one character")
     try:
@@ -114,7 +116,10 @@ def attention_png(args: argparse.Namespace) -> Path:
         print(f"[the prompt has {len(ids)} characters; drawing its last {block} (block_size)]", file=sys.stderr)
         prompt, ids = prompt[-block:], ids[-block:]
     maps = prompt_attention(model, ids)  # L x (H, T, T)
-    path = save_attention_png(args.attention_png, maps, list(prompt))
+    try:
+        path = save_attention_png(args.attention_png, maps, list(prompt))
+    except OSError as e:  # a missing folder, no permission
+        raise ValueError(f"--attention_png: cannot write {args.attention_png}: {e.strerror or e}") from None
     print(f"[wrote {path}: {len(maps)} layers x {maps[0].shape[0]} heads, {len(ids)} queries x {len(ids)} keys]",
           file=sys.stderr)
     return path

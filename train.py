@@ -91,6 +91,10 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     ckpt_path = out_dir / CKPT_NAME
 
     # --- every check that can fail, before anything is written to out_dir ---------------------
+    if cfg.resume and not ckpt_path.exists():
+        missing = "" if out_dir.is_dir() else f" (the directory {out_dir} does not exist)"
+        raise ValueError(f"--resume: no checkpoint at {ckpt_path} to continue from{missing}; without --resume "
+                         "the run starts afresh there")
     ckpt = load_checkpoint(ckpt_path, map_location=device) if cfg.resume else None
     with dist.rank_zero_first():  # rank 0 fills the encoded cache; the other ranks then read it
         corpus = load_corpus(cfg.dataset, cfg.cache_dir, cfg.split or None, cfg.text_column or None)
@@ -102,6 +106,14 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
         if ckpt["step"] > cfg.max_iters:
             raise ValueError(f"--resume: {ckpt_path} is at step {ckpt['step']}, past max_iters={cfg.max_iters}; "
                              f"give --max_iters > {ckpt['step']} to train on")
+        # a finished run has nothing left to do; resuming it would only overwrite its summary.json with
+        # a run of 0 steps. (One interrupted after its last step, or killed before its summary was
+        # written, still has its final eval to do: that resume goes ahead.)
+        if (ckpt["step"] == cfg.max_iters and not ckpt.get("interrupted")
+                and (out_dir / "summary.json").exists()):
+            raise ValueError(f"--resume: {ckpt_path} is at step {ckpt['step']} = max_iters: the run is finished "
+                             f"and its figures are in {out_dir / 'summary.json'}; give --max_iters > "
+                             f"{ckpt['step']} to train on")
 
     # --- data: encoded once, cached; both splits live on the training device (int32: half the
     # memory of int64; get_batch widens each batch to int64) -----------------------------------
@@ -139,7 +151,11 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
              "params": model.num_params(), "vocab_size": vocab_size, "corpus": corpus.name,
              "world_size": dist.world_size}
     if dist.is_main:  # only rank 0 writes files
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file of that name, or a place the user cannot write
+            raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); "
+                             "give another --out_dir") from None
         for written in (ckpt_path, out_dir / "config.json", out_dir / "summary.json"):
             remove_partial_saves(written)  # temporary files of writes that a killed run left behind
         write_atomic(out_dir / "config.json", json.dumps(facts, indent=2).encode())
@@ -271,7 +287,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     if dist.is_main:
         # never a torn file; NaN/inf (no eval ran, say) as null, so that strict JSON readers accept it
         write_atomic(out_dir / "summary.json", json.dumps(_json_safe(summary), indent=2).encode())
-    log.line("summary: " + json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    log.line("summary: " + json.dumps(_json_safe({k: v for k, v in summary.items() if k != "history"})))
     log.hparams(step if interrupted else cfg.max_iters, cfg.to_dict())
     log.close()
     return summary

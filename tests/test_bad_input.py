@@ -9,6 +9,7 @@ the same harness does see a run's writes.
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 import zipfile
 from pathlib import Path
@@ -228,7 +229,8 @@ def test_resume_without_a_checkpoint_names_it(paths, capsys):
     (out / "notes.txt").write_text("keep me")
     before = snapshot(out)
     rc, err = run_train(capsys, *tiny_args(corpus, out, cache), "--resume")
-    assert_refused(rc, err, out, before, f"no checkpoint at {out / CKPT_NAME}")
+    assert_refused(rc, err, out, before, f"no checkpoint at {out / CKPT_NAME}",
+                   "without --resume the run starts afresh")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -253,6 +255,36 @@ def test_resume_from_another_vocabulary_names_the_characters(run_dir, capsys, tm
     rc, err = run_train(capsys, *tiny_args(other, out, cache), "--resume", "--max_iters=6")
     assert_refused(rc, err, out, before, "cannot resume: the checkpoint was trained on another vocabulary",
                    "only in the checkpoint: 'z'", "only in the corpus: 'Z'")
+
+
+def test_resume_of_a_finished_run_is_refused_and_keeps_its_summary(run_dir, capsys):
+    """A checkpoint at max_iters with its summary written: nothing left to train, and a resume would
+    overwrite summary.json with a run of 0 steps. Without the summary (killed before writing it) the
+    same resume goes ahead and writes it: the positive control."""
+    corpus, out, cache = run_dir  # its checkpoint is at step 4 = max_iters
+    before = snapshot(out)
+    rc, err = run_train(capsys, *tiny_args(corpus, out, cache), "--resume")
+    assert_refused(rc, err, out, before, "is at step 4 = max_iters: the run is finished",
+                   f"{out / 'summary.json'}", "--max_iters > 4")
+    (out / "summary.json").unlink()
+    rc, err = run_train(capsys, *tiny_args(corpus, out, cache), "--resume")
+    assert rc == 0, err
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def test_config_that_is_not_a_readable_file_is_one_line(paths, capsys):
+    corpus, out, cache = paths
+    rc, err = run_train(capsys, str(corpus.parent), *tiny_args(corpus, out, cache))
+    assert_refused(rc, err, out, None, f"config file {corpus.parent}: cannot read it", "configs/debug.toml")
+
+
+def test_out_dir_that_is_a_file_is_named(paths, capsys, tmp_path):
+    corpus, _, cache = paths
+    taken = tmp_path / "taken"
+    taken.write_text("a file, not a run directory")
+    rc, err = run_train(capsys, *tiny_args(corpus, taken, cache))
+    assert rc == 1 and f"out_dir={taken}: cannot create it as a directory" in err, err
+    assert taken.read_text() == "a file, not a run directory"
 
 
 def test_resume_past_max_iters_names_both_steps(run_dir, capsys):
@@ -404,6 +436,21 @@ def test_sample_refuses_bad_options_before_generating(run_dir, capsys, monkeypat
     captured = capsys.readouterr()
     assert_refused(rc, captured.err, out, before, message)
     assert captured.out == ""  # refused before anything was generated
+
+
+def test_sample_refuses_two_prompts_and_names_an_unwritable_png(run_dir, capsys, tmp_path):
+    """--prompt with --prompt_file used to take the file silently; a PNG path under a file gave a
+    traceback. Each is now one line; the same options one at a time work (the positive control)."""
+    _, out, _ = run_dir
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the", encoding="utf-8")
+    rc, err = run_sample(capsys, f"--out_dir={out}", "--prompt=a", f"--prompt_file={prompt}")
+    assert rc == 1 and "error: give the prompt as --prompt or as --prompt_file, not both" in err, err
+    assert run_sample(capsys, f"--out_dir={out}", f"--prompt_file={prompt}")[0] == 0
+    png = prompt / "attention.png"  # under a file: no folder can be made there
+    rc, err = run_sample(capsys, f"--out_dir={out}", "--prompt=the", f"--attention_png={png}")
+    assert rc == 1 and f"error: --attention_png: cannot write {png}" in err, err
+    assert run_sample(capsys, f"--out_dir={out}", "--prompt=the", f"--attention_png={tmp_path / 'a.png'}")[0] == 0
 
 
 def test_sample_non_utf8_or_missing_prompt_file_is_named(run_dir, capsys, tmp_path):

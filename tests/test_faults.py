@@ -151,6 +151,35 @@ def test_a_signal_stops_at_the_end_of_a_step_saves_and_resume_continues_exactly(
         assert torch.equal(resumed["model"][key], value), key
 
 
+def test_the_printed_summary_is_strict_json_when_a_figure_is_missing(corpus, tmp_path, monkeypatch, capsys):
+    """A resumed run stopped before its first eval has no val estimate of its own (NaN inside):
+    summary.json writes null, and so must the printed summary line, which said NaN (strict JSON
+    readers refuse it). The signal comes from inside a training forward, in this process."""
+    out = tmp_path / "out"
+    forward, calls = GPT.forward, []
+
+    def interrupting_forward(self, *a, **k):
+        if self.training:
+            calls.append(1)
+            if len(calls) in (3, 4):  # step 2 of the first run; step 3, the first of the resumed one
+                os.kill(os.getpid(), signal.SIGINT)
+        return forward(self, *a, **k)
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    monkeypatch.setattr(GPT, "forward", interrupting_forward)
+    assert train.main(args(corpus, out)) == 130
+    assert load_checkpoint(out / CKPT_NAME)["step"] == 3
+    capsys.readouterr()
+    assert train.main(args(corpus, out, "--resume")) == 130
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("summary: "))
+    printed = json.loads(line.removeprefix("summary: "), parse_constant=refuse)
+    written = json.loads((out / "summary.json").read_text(), parse_constant=refuse)
+    assert printed["last_val_estimate"] is None and printed["steps"] == 4
+    assert printed == {k: v for k, v in written.items() if k != "history"}
+
+
 def test_a_second_ctrl_c_exits_at_once_leaving_the_last_checkpoint(corpus, tmp_path):
     """The first SIGINT starts the final save, which is made to hang; the second ends the process
     at once, and the temporary file of the abandoned save is removed on the way out."""

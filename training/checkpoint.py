@@ -25,6 +25,8 @@ from model import GPT, GPTConfig
 
 FORMAT = "gpt-char-ckpt/1"
 CKPT_NAME = "ckpt.pt"
+# the advice in "no checkpoint" errors: sample.py names a run by --out_dir or --ckpt, tests/causality.py by --ckpt
+FIND_A_CHECKPOINT = "train a model there first, or give the --out_dir or --ckpt of a finished run"
 # the GPTConfig fields a resumed run may change: neither alters the weights nor the function they
 # compute in eval mode. Every other field (sizes, pos_emb, qk_norm, ...) must match the checkpoint.
 RESUME_MAY_CHANGE = ("dropout", "attn_backend")
@@ -82,12 +84,13 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     path = Path(path)
     if not path.parent.is_dir():
         raise ValueError(f"no checkpoint at {path}: the directory {path.parent} does not exist "
-                         "(train a model there first, or point --out_dir at a finished run)")
+                         f"({FIND_A_CHECKPOINT})")
     if path.is_dir():
         raise ValueError(f"{path} is a directory, not a checkpoint file: give its ckpt.pt, or the "
                          "directory as --out_dir")
     if not path.is_file():
-        raise ValueError(f"no checkpoint at {path}")
+        raise ValueError(f"no checkpoint at {path} ({FIND_A_CHECKPOINT}; a run saves its first checkpoint "
+                         "at its first eval after step 0)")
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()

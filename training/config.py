@@ -183,6 +183,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ValueError(f"config file {path} does not exist") from None
+    except OSError as e:  # a directory (`python train.py configs`), no permission
+        raise ValueError(f"config file {path}: cannot read it ({e.strerror}); give a .toml file such as "
+                         "configs/debug.toml") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
     fields = _field_map()
