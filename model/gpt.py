@@ -113,10 +113,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # weight tying: the input embedding and the output projection share one matrix
         self.lm_head.weight = self.tok_emb.weight
-        if config.pos_emb == "rope":
-            # (block_size, D/2) complex; not saved: it is a function of the config
-            self.register_buffer("rope_freqs", rope_frequencies(config.block_size, config.n_embd // config.n_head),
-                                 persistent=False)
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
         # variance does not grow with depth (two residual additions per block)
@@ -170,11 +166,15 @@ class GPT(nn.Module):
                 "crop the context to the last block_size tokens"
             )
         x = self.tok_emb(idx)  # (B, T, C)
+        positions = torch.arange(start, start + T, device=idx.device)  # (T,) after the cached ones
         rope = None
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))  # + (T, C)
+            x = x + self.pos_emb(positions)  # + (T, C)
         else:
-            rope = self.rope_freqs[start:start + T]  # (T, D/2) complex
+            # (T, D/2) complex, for these positions only: a few small ops per forward. Not a buffer built
+            # once: Module.to(dtype) casts a complex buffer to the real dtype and drops its imaginary part
+            # (with only a warning), which silently broke the positions of a model cast with .to(bfloat16).
+            rope = rope_frequencies(positions, self.config.n_embd // self.config.n_head)
         x = self.drop(x)
         # (T, Tk), built once per forward and shared by every layer: ~10 us on a CPU, under 0.05% of
         # a laptop-recipe step (benchmarks/micro.py). Not a buffer cached at construction, so that an
@@ -298,14 +298,19 @@ class GPT(nn.Module):
         return KVCache(c.n_layer, B, c.n_head, c.block_size, c.n_embd // c.n_head, device, dtype)
 
 
-def rope_frequencies(block_size: int, head_dim: int, base: float = 10000.0) -> Tensor:
+def rope_frequencies(positions: int | Tensor, head_dim: int, base: float = 10000.0) -> Tensor:
     """e^(i * p * base^(-2i/D)) for every position p and channel pair i: the rotary rotations.
 
+    Args:
+        positions: (T,) integer positions, or an int T for positions 0..T-1.
+        head_dim: D, the width of one head (even).
     Returns:
-        (block_size, D/2) complex64.
+        (T, D/2) complex64, on the positions' device; computed in float32 whatever the model's dtype.
     """
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
-    angles = torch.arange(block_size, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+    if isinstance(positions, int):
+        positions = torch.arange(positions)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
     return torch.polar(torch.ones_like(angles), angles)
 
 

@@ -39,6 +39,23 @@ def test_each_model_config_refusal_names_the_field_and_value(kwargs, message, ne
     GPT(tiny(**neighbour))  # the nearest valid value builds a model
 
 
+def test_a_rotary_model_cast_with_to_dtype_keeps_its_positions():
+    """Module.to(dtype) casts complex buffers to the real dtype, dropping the imaginary part: a rotary
+    table kept as a buffer turned into cosines only, and the cast model computed another function
+    (3.2 apart in the logits here). .double() leaves complex tensors alone: it is the reference."""
+    torch.manual_seed(0)
+    model = GPT(tiny(pos_emb="rope")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    x = torch.randint(0, 11, (2, 12))
+    cast = GPT(model.config).eval()
+    cast.load_state_dict(model.state_dict())
+    reference, cast = model.double(), cast.to(torch.float64)
+    torch.testing.assert_close(cast(x)[0], reference(x)[0], rtol=0, atol=0)
+    assert (reference(x)[0] - GPT(tiny()).double().eval()(x)[0]).abs().max() > 0.1  # the logits are not trivial
+
+
 def test_a_cached_forward_past_block_size_names_the_total_length():
     """Catches (hidden's check `start + T > block_size` -> `T > block_size`: the cached positions
     forgotten, so the position table is indexed past its end with an IndexError)."""
