@@ -89,6 +89,18 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
 
 
+def test_a_decay_that_ends_before_the_warmup_is_refused_unless_the_run_never_leaves_warmup():
+    """lr_decay_iters=0 with a warmup used to pass: the lr climbed for warmup_iters steps, then sat at
+    min_lr for the rest of the run, never decaying. Refused, naming both fields and the step of the
+    jump; a run no longer than its warmup, and a decay ending with the warmup, stay valid."""
+    with pytest.raises(ValueError, match=r"lr_decay_iters=0 ends the decay before warmup_iters=10 ends.*"
+                                         r"straight to min_lr at step 10.*max_iters=50"):
+        TrainConfig(warmup_iters=10, lr_decay_iters=0, max_iters=50)
+    cfg = TrainConfig(warmup_iters=10, lr_decay_iters=0, max_iters=10)  # never past the warmup
+    assert [lr_at(s, cfg) for s in (0, 9)] == [cfg.learning_rate / 11, cfg.learning_rate * 10 / 11]
+    TrainConfig(warmup_iters=10, lr_decay_iters=10, max_iters=50)
+
+
 def test_wsd_schedule_holds_the_peak_then_decays_linearly_to_min_lr():
     """warmup 10, decay ends at 110, cooldown 0.3: stable from 10 until 110 - 33 = 77, then linear."""
     cfg = TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200,

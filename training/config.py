@@ -132,6 +132,12 @@ class TrainConfig:
                                  f"not dataset={self.dataset!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"config field n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.lr_decay_iters < self.warmup_iters < self.max_iters:
+            # lr_at gives warmup precedence and then min_lr at once: a jump, never a decay
+            raise ValueError(f"config field lr_decay_iters={self.lr_decay_iters} ends the decay before "
+                             f"warmup_iters={self.warmup_iters} ends, so the learning rate would drop from the "
+                             f"warmup straight to min_lr at step {self.warmup_iters}; give lr_decay_iters >= "
+                             f"warmup_iters (usually lr_decay_iters = max_iters={self.max_iters})")
         if self.min_lr > self.learning_rate:
             raise ValueError(f"config field min_lr={self.min_lr} exceeds learning_rate={self.learning_rate}")
         if not (self.device in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d+", self.device)):
