@@ -33,6 +33,7 @@ from training import (
     estimate_loss,
     exact_loss,
     help_text,
+    keep_freed_memory,
     load_checkpoint,
     model_from_checkpoint,
     parse_args,
@@ -67,6 +68,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         argv: the command line it came from, recorded in config.json (None: not from a command line).
         verbose: print progress and write TensorBoard events (False: a silent run, as in tests).
     """
+    keep_freed_memory()
     dist = init_distributed(os.environ, cfg.device)
     guard = RunGuard(dist.device, Path(cfg.out_dir) / CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
     try:
@@ -80,7 +82,7 @@ def _train(cfg: TrainConfig, argv: list[str] | None, verbose: bool, dist: Dist, 
     t_start = time.perf_counter()
     device = dist.device
     micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank; the global batch stays
-    dtype = resolve_dtype(cfg.dtype, device, work=cfg.batch_size * cfg.block_size * cfg.n_embd)
+    dtype = resolve_dtype(cfg.dtype, device, matmul=(cfg.batch_size * cfg.block_size, cfg.n_embd))
     guard.float16 = dtype == torch.float16
     autocast = autocast_context(device, dtype)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")

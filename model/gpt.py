@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import CausalSelfAttention, KVCache, causal_mask, dropout_layer
+from .attention import CausalSelfAttention, KVCache, additive_mask, causal_mask
 
 ATTN_BACKENDS = ("manual", "sdpa")
 POS_EMBS = ("learned", "rope")
@@ -72,43 +73,40 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = dropout_layer(config.dropout)
+        self.dropout = config.dropout
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, C)"""
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        return F.dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
     """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(
-            config.n_embd, config.n_head, config.dropout, config.bias, config.attn_backend, config.qk_norm
-        )
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        c = config
+        self.ln_1 = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.attn = CausalSelfAttention(c.n_embd, c.n_head, c.dropout, c.bias, c.attn_backend, c.qk_norm, layer)
+        self.ln_2 = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.mlp = MLP(c)
 
-    def forward(self, x: Tensor, allowed: Tensor | None, cache: KVCache | None = None, layer: int = 0,
-                weights_out: list[Tensor] | None = None, rope: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, rope: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
         """(B, T, C) -> (B, T, C); see CausalSelfAttention.forward for the other arguments."""
-        x = x + self.attn(self.ln_1(x), allowed, cache, layer, weights_out, rope)
+        x = x + self.attn(self.ln_1(x), mask, rope, cache)
         x = x + self.mlp(self.ln_2(x))
         return x
 
 
 class GPT(nn.Module):
-    """The language model. `forward` scores next tokens; `generate` samples continuations."""
+    """The language model. `forward` scores next tokens; `generate` and `stream` sample continuations."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
-        self.drop = dropout_layer(config.dropout)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.blocks = nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # weight tying: the input embedding and the output projection share one matrix
@@ -134,123 +132,63 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, T: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward), counted as nanoGPT and PaLM do.
-
-        6 per weight for the matmuls (2 forward, 4 backward) over the non-position parameters (the
-        tied embedding counts once, as the LM head's matmul), plus 12 * n_layer * n_embd * T for
-        the attention scores and the weighted sum of values (the causal half counted in full, by
-        convention). Used for MFU.
-        """
+        """Training FLOPs per token (forward + backward), counted as nanoGPT and PaLM do: 6 per weight
+        of the non-position parameters, plus 12 * n_layer * n_embd * T for the scores and the weighted
+        sum of values (the causal half counted in full, by convention). Used for MFU."""
         T = T or self.config.block_size
-        N = self.num_params()
-        if self.pos_emb is not None:
-            N -= self.pos_emb.weight.numel()
+        N = self.num_params() - (self.pos_emb.weight.numel() if self.pos_emb is not None else 0)
         return 6 * N + 12 * self.config.n_layer * self.config.n_embd * T
 
-    def hidden(self, idx: Tensor, cache: KVCache | None = None,
-               weights_out: list[Tensor] | None = None) -> Tensor:
-        """Final hidden states before the LM head.
+    def forward(self, idx: Tensor, targets: Tensor | None = None,
+                cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
+        """Next-token logits and, given targets, their mean cross-entropy.
 
         Args:
-            idx: token ids (B, T).
-            cache: optional KV cache holding the keys/values of the positions before idx.
-            weights_out: optional list that receives each layer's (B, H, T, Tk) attention weights.
+            idx: token ids (B, T); with a cache, the T positions after the cache.length cached ones.
+            targets: (B, T) token ids; targets[:, t] is the token that FOLLOWS idx[:, t]. The shift
+                is done once, in data.inputs_and_targets; here position t is scored against targets[:, t].
+            cache: optional KV cache holding the keys and values of the positions before idx.
         Returns:
-            (B, T, C)
+            logits: (B, T, V).
+            loss: scalar mean cross-entropy over all B*T positions, or None without targets.
         """
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.block_size:
-            raise ValueError(
-                f"sequence length {start + T} exceeds block_size {self.config.block_size}; "
-                "crop the context to the last block_size tokens"
-            )
+            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}; "
+                             "crop the context to the last block_size tokens")
         x = self.tok_emb(idx)  # (B, T, C)
         positions = torch.arange(start, start + T, device=idx.device)  # (T,) after the cached ones
         rope = None
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)  # + (T, C)
         else:
-            # (T, D/2) complex, for these positions only: a few small ops per forward. Not a buffer built
-            # once: Module.to(dtype) casts a complex buffer to the real dtype and drops its imaginary part
-            # (with only a warning), which silently broke the positions of a model cast with .to(bfloat16).
+            # (T, D/2) complex, per forward rather than a buffer: Module.to(dtype) would cast a complex
+            # buffer to a real dtype, dropping its imaginary part
             rope = rope_frequencies(positions, self.config.n_embd // self.config.n_head)
-        x = self.drop(x)
-        # (T, Tk), built once per forward and shared by every layer: ~10 us on a CPU, under 0.05% of
-        # a laptop-recipe step (benchmarks/micro.py). Not a buffer cached at construction, so that an
-        # edit of causal_mask (or a test's substitute for it) takes effect on the next forward of an
-        # existing model.
-        # One new query against a cache may read every cached key (all are its past), so decoding
-        # steps skip the mask: same numbers, less work per token.
-        allowed = None if cache is not None and T == 1 else causal_mask(T, start + T, device=idx.device)
-        for i, block in enumerate(self.blocks):
-            x = block(x, allowed, cache, i, weights_out, rope)
+        x = F.dropout(x, self.config.dropout, self.training)
+        # the (T, Tk) mask, built once per forward and shared by every layer; built afresh each time
+        # so that an edit of causal_mask reaches an existing model at once
+        mask = additive_mask(causal_mask(T, start + T, device=idx.device), x.dtype)
+        for block in self.blocks:
+            x = block(x, mask, rope, cache)
         if cache is not None:
             cache.length = start + T
-        return self.ln_f(x)  # (B, T, C)
-
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Next-token logits and, given targets, their mean cross-entropy.
-
-        Args:
-            idx: token ids (B, T), T <= block_size.
-            targets: (B, T) token ids; targets[:, t] is the token that FOLLOWS idx[:, t]. The shift
-                is done once, in data.get_batch; here position t is scored against targets[:, t].
-        Returns:
-            logits: (B, T, V).
-            loss: scalar mean cross-entropy over all B*T positions, or None without targets.
-        """
-        logits = self.lm_head(self.hidden(idx))  # (B, T, V)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
-    @torch.no_grad()
-    def attention_maps(self, idx: Tensor) -> list[Tensor]:
-        """Attention weights of every layer for idx (B, T): a list of n_layer tensors (B, H, T, T)."""
-        weights: list[Tensor] = []
-        self.hidden(idx, weights_out=weights)
-        return weights
+    def new_cache(self, B: int) -> KVCache:
+        """An empty KV cache for B sequences of up to block_size positions, on the model's device."""
+        c, w = self.config, self.tok_emb.weight
+        return KVCache(c.n_layer, B, c.n_head, c.block_size, c.n_embd // c.n_head, w.device, w.dtype)
 
     @torch.inference_mode()
-    def generate(
-        self,
-        idx: Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-        use_cache: bool = True,
-        slide: int = 1,
-    ) -> Tensor:
-        """Sample max_new_tokens tokens after idx.
-
-        The model reads a window of at most block_size tokens. With use_cache, keys and values of
-        the window's earlier positions are kept per layer and each step feeds one new token. Once
-        the window is full it slides: its first `slide` tokens are dropped, which moves every
-        remaining token to another position, so the cache is rebuilt from the new window in one
-        forward (a re-prefill). slide=1 keeps the window full, as nanoGPT's crop-and-recompute does,
-        and re-prefills every step: exact, but no faster than use_cache=False. slide=k re-prefills
-        once every k tokens and decodes the rest from the cache; each token then reads between
-        block_size - k + 1 and block_size tokens of context. use_cache=False follows the same
-        windows by recomputing each one in full, so both paths give the same tokens for any slide.
-
-        Args:
-            idx: (B, T) prompt token ids, T >= 1.
-            max_new_tokens: number of tokens to append.
-            temperature: divides the logits; 0 means greedy (argmax).
-            top_k: keep only the k most likely tokens before sampling.
-            top_p: keep the smallest set of tokens whose probability mass reaches top_p.
-            generator: RNG for sampling.
-            use_cache: use the KV cache (identical tokens, much faster).
-            slide: how many tokens a full window drops at once, 1 <= slide <= block_size.
-        Returns:
-            (B, T + max_new_tokens) token ids.
-        """
-        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, use_cache, slide))
-        return torch.cat([idx, *(t[:, None] for t in new)], dim=1)
+    def generate(self, idx: Tensor, max_new_tokens: int, **options: Any) -> Tensor:
+        """(B, T) prompt -> (B, T + max_new_tokens): the prompt and the tokens `stream` draws after it."""
+        return torch.cat([idx, *(t[:, None] for t in self.stream(idx, max_new_tokens, **options))], dim=1)
 
     @torch.inference_mode()
     def stream(
@@ -264,7 +202,24 @@ class GPT(nn.Module):
         use_cache: bool = True,
         slide: int = 1,
     ) -> Iterator[Tensor]:
-        """Like generate, but yields each new token (B,) as soon as it is drawn."""
+        """Sample max_new_tokens tokens after idx, yielding each (B,) as soon as it is drawn.
+
+        The model reads a window of at most block_size tokens. With use_cache, keys and values of
+        the window's earlier positions are kept per layer and each step feeds one new token. Once
+        the window is full it slides: its first `slide` tokens are dropped, which moves every
+        remaining token to another position, so the cache is rebuilt from the new window in one
+        forward (a re-prefill). slide=1 keeps the window full, as nanoGPT's crop-and-recompute does,
+        and re-prefills every step; slide=k re-prefills once every k tokens, each token then reading
+        between block_size - k + 1 and block_size tokens of context. use_cache=False recomputes the
+        same windows in full, so both paths give the same tokens for any slide.
+
+        Args:
+            idx: (B, T) prompt token ids, T >= 1.
+            max_new_tokens: number of tokens to draw.
+            temperature, top_k, top_p, generator: as sample_next.
+            use_cache: use the KV cache (identical tokens, much faster).
+            slide: how many tokens a full window drops at once, 1 <= slide <= block_size.
+        """
         if idx.dim() != 2 or idx.size(1) < 1:
             raise ValueError(f"generate needs a (B, T>=1) prompt, got shape {tuple(idx.shape)}")
         if max_new_tokens < 0:
@@ -273,29 +228,22 @@ class GPT(nn.Module):
         if isinstance(slide, bool) or not isinstance(slide, int) or not 1 <= slide <= block:
             raise ValueError(f"slide must be an integer in [1, block_size={block}], got {slide!r}")
         context = idx[:, -block:]  # (B, <=block) the window the next token is predicted from
-        cache: KVCache | None = None  # keys and values of context[:, :-1], when they are still valid
+        cache: KVCache | None = None  # keys and values of context[:, :-1], while they are valid
         for _ in range(max_new_tokens):
             if not use_cache:
-                logits = self.lm_head(self.hidden(context)[:, -1])  # (B, V)
+                logits, _ = self(context)
+            elif cache is None:  # (re-)prefill: the whole window in one forward
+                cache = self.new_cache(idx.size(0))
+                logits, _ = self(context, cache=cache)
             else:
-                if cache is None:  # (re-)prefill: the whole window in one forward
-                    cache = self._new_cache(idx.size(0), idx.device)
-                    h = self.hidden(context, cache)
-                else:
-                    h = self.hidden(context[:, -1:], cache)  # only the newest token
-                logits = self.lm_head(h[:, -1])  # (B, V)
-            next_id = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
+                logits, _ = self(context[:, -1:], cache=cache)  # only the newest token
+            next_id = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B, 1)
             context = torch.cat((context, next_id), dim=1)
             if context.size(1) > block:
-                # the window slides: every token left in it moves to another position (and has lost
-                # some of its own context), so no cached key is valid any more
+                # the window slides: every token left in it moves to another position, so no cached
+                # key is valid any more
                 context, cache = context[:, slide:], None
             yield next_id[:, 0]
-
-    def _new_cache(self, B: int, device: torch.device) -> KVCache:
-        c = self.config
-        dtype = self.tok_emb.weight.dtype
-        return KVCache(c.n_layer, B, c.n_head, c.block_size, c.n_embd // c.n_head, device, dtype)
 
 
 def rope_frequencies(positions: int | Tensor, head_dim: int, base: float = 10000.0) -> Tensor:

@@ -39,16 +39,54 @@ class Check:
     ok: bool
     quiet: float  # largest change where nothing may change
     fired: float  # smallest change where something must change
-    detail: str = ""
+    detail: str = ""  # where it failed: the first (query, key) pair that leaked, the layer, ...
 
     def __str__(self) -> str:
         status = "ok  " if self.ok else "FAIL"
-        return f"{status} {self.name:<32} max change where none allowed {self.quiet:.3g} | " \
-               f"min change where one is required {self.fired:.3g} {self.detail}"
+        where = f" | {self.detail}" if self.detail and not self.ok else ""
+        return f"{status} {self.name:<40} max change where none allowed {self.quiet:.3g} | " \
+               f"min change where one is required {self.fired:.3g}{where}"
 
 
 def _max(x: Tensor) -> float:
     return x.abs().max().item() if x.numel() else 0.0
+
+
+def leak_pair(reads: Tensor) -> tuple[int, int] | None:
+    """reads (T, T) bool, reads[i, j]: query (position) i depends on key (token) j. The first pair with
+    j > i (the lowest query first), or None."""
+    future = (reads & torch.ones_like(reads).triu(1)).nonzero()
+    return tuple(future[0].tolist()) if len(future) else None
+
+
+def first_leak(reads: Tensor) -> str:
+    """The first future pair of leak_pair, in words; '' when there is none."""
+    pair = leak_pair(reads)
+    return f"query {pair[0]} reads key {pair[1]} ({pair[1] - pair[0]} ahead)" if pair else ""
+
+
+def first_blind_spot(reads: Tensor) -> str:
+    """The first query that does not read its own key, or (past query 0) no earlier key; '' if none."""
+    for i in range(reads.size(0)):
+        if not reads[i, i]:
+            return f"query {i} does not read key {i} (its own)"
+        if i > 0 and not reads[i, :i].any():
+            return f"query {i} reads no earlier key"
+    return ""
+
+
+def mask_picture(T: int = 6) -> str:
+    """causal_mask(T, T) next to the plain lower triangle the checks expect (■ allowed, · masked)."""
+    got = attn_lib.causal_mask(T, T).cpu()
+    want = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def row(r: Tensor) -> str:
+        return " ".join("■" if a else "·" for a in r.tolist())
+
+    width = max(2 * T + 2, 20)
+    lines = [f"{f'causal_mask({T}, {T})':<{width}}expected (lower triangle)"]
+    lines += [f"{row(g):<{width}}{row(w)}" for g, w in zip(got, want, strict=True)]
+    return "\n".join(lines) + "\n(model/attention.py:causal_mask)"
 
 
 # --- models with no dead paths -------------------------------------------------------------------
@@ -89,32 +127,41 @@ def random_tokens(B: int, T: int, V: int, seed: int = 1) -> Tensor:
     return torch.randint(V, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def _change_from(x: Tensor, t: int, V: int, seed: int) -> Tensor:
-    """x with every token at positions >= t replaced by a different token."""
+def _change_at(x: Tensor, j: int, V: int, seed: int) -> Tensor:
+    """x with the token at position j of every row replaced by a different token."""
     y = x.clone()
-    shift = 1 + torch.randint(V - 1, x[:, t:].shape, generator=torch.Generator().manual_seed(seed))
-    y[:, t:] = (x[:, t:] + shift.to(x.device)) % V
+    shift = 1 + torch.randint(V - 1, (x.size(0),), generator=torch.Generator().manual_seed(seed))
+    y[:, j] = (x[:, j] + shift.to(x.device)) % V
     return y
 
 
 # --- attention level -----------------------------------------------------------------------------
 
+def check_causal_mask(T: int = 6) -> Check:
+    """causal_mask(T, T) is the plain lower triangle, and a query block against a longer history is its
+    last rows (decoding). On failure the detail draws the mask next to the expected one."""
+    want = torch.ones(T, T, dtype=torch.bool).tril()
+    wrong = sum(int((attn_lib.causal_mask(Tq, T).cpu() != want[T - Tq:]).sum()) for Tq in range(1, T + 1))
+    return Check("mask: causal_mask is the lower triangle", wrong == 0, float(wrong), float(want.sum()),
+                 "" if wrong == 0 else "it is not the lower triangle:\n" + mask_picture(T))
+
+
 def check_attention_future_perturbation(T: int = 8, seed: int = 0, scale: float = 100.0) -> Check:
-    """Perturb q, k and v at positions >= t by x100: outputs before t bit-identical, at >= t changed."""
+    """Perturb q, k and v at one position j (x100): outputs before j bit-identical, at j changed."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, 3, T, 4, generator=g, dtype=torch.float64) for _ in range(3))
     allowed = attn_lib.causal_mask(T, T)
     base, _ = attn_lib.attention(q, k, v, allowed)
-    quiet, fired = 0.0, math.inf
-    for t in range(T):
+    change = torch.zeros(T, T, dtype=torch.float64)  # change[i, j]: output i moved when position j did
+    for j in range(T):
         qp, kp, vp = q.clone(), k.clone(), v.clone()
         for z in (qp, kp, vp):
-            z[:, :, t:] *= scale
+            z[:, :, j] *= scale
         out, _ = attn_lib.attention(qp, kp, vp, allowed)
-        past_same = torch.equal(out[:, :, :t], base[:, :, :t])
-        quiet = max(quiet, _max(out[:, :, :t] - base[:, :, :t]) if not past_same else 0.0)
-        fired = min(fired, (out[:, :, t:] - base[:, :, t:]).abs().amax(dim=-1).min().item())
-    return Check("attention: future perturbation", quiet == 0.0 and fired > 0, quiet, fired)
+        change[:, j] = (out - base).abs().amax(dim=(0, 1, 3))
+    quiet, fired = _max(change.triu(1)), change.diagonal().min().item()
+    where = first_leak(change > 0) or first_blind_spot(change > 0)
+    return Check("attention: future perturbation", quiet == 0.0 and fired > 0, quiet, fired, where)
 
 
 def check_attention_weights(T: int = 7, seed: int = 0) -> Check:
@@ -125,7 +172,10 @@ def check_attention_weights(T: int = 7, seed: int = 0) -> Check:
     future = torch.ones(T, T, dtype=torch.bool).triu(1)  # the reference, not the code under test
     quiet = max(_max(w[..., future]), _max(w.sum(-1) - 1))
     fired = w[..., ~future].min().item()
-    return Check("attention: weights", quiet < 1e-12 and _max(w[..., future]) == 0 and fired > 0, quiet, fired)
+    reads = (w > 0).any(0).any(0)  # (T, T)
+    where = first_leak(reads) or first_blind_spot(reads) or ("rows do not sum to 1" if quiet >= 1e-12 else "")
+    return Check("attention: weights", quiet < 1e-12 and _max(w[..., future]) == 0 and fired > 0, quiet, fired,
+                 where)
 
 
 def check_attention_extreme_scores(scale: float = 1e150) -> Check:
@@ -154,13 +204,21 @@ def check_attention_gradients(T: int = 6, seed: int = 0) -> Check:
     q, k, v = (torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     out, _ = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
-    quiet, fired = 0.0, math.inf
+    grads = torch.zeros(T, T, dtype=torch.float64)  # grads[t, s]: influence of key position s on query t
     for t in range(T):
         gk, gv = torch.autograd.grad(out[:, :, t].sum(), (k, v), retain_graph=True)
-        grad = gk.abs().sum((0, 1, 3)) + gv.abs().sum((0, 1, 3))  # (T,) influence of each key position
-        quiet = max(quiet, _max(grad[t + 1:]))
-        fired = min(fired, grad[t].item(), grad[:t].max().item() if t > 0 else math.inf)
-    return Check("attention: gradients", quiet == 0.0 and fired > 0, quiet, fired)
+        grads[t] = gk.abs().sum((0, 1, 3)) + gv.abs().sum((0, 1, 3))
+    return _gradient_check("attention: gradients", grads)
+
+
+def _gradient_check(name: str, grads: Tensor) -> Check:
+    """grads (T, T) of query t's output with respect to position s: 0 above the diagonal, > 0 on it and
+    somewhere before it in every row past the first."""
+    T = grads.size(0)
+    quiet = _max(grads.triu(1))
+    fired = min([grads.diagonal().min().item()] + [grads[t, :t].max().item() for t in range(1, T)])
+    where = first_leak(grads > 0) or first_blind_spot(grads > 0)
+    return Check(name, quiet == 0.0 and fired > 0, quiet, fired, where)
 
 
 def check_attention_half_precision(T: int = 6, seed: int = 0) -> Check:
@@ -182,19 +240,42 @@ def check_attention_half_precision(T: int = 6, seed: int = 0) -> Check:
 
 # --- model level ---------------------------------------------------------------------------------
 
+def _single_token_changes(model: GPT, x: Tensor, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Change the token at one position j at a time. Returns change (T, T), change[i, j] the largest move of
+    the logits at i when token j changed; layers (L, T, T) bool, layers[l, i, j] whether block l's output
+    at i moved; and the unperturbed logits."""
+    T, V = x.size(1), model.config.vocab_size
+    outputs: list[Tensor] = []
+    hooks = [b.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for b in model.blocks]
+    try:
+        with torch.no_grad():
+            base, _ = model(x)
+            base_blocks, outputs[:] = list(outputs), []
+            change = torch.zeros(T, T, dtype=torch.float64)
+            layers = torch.zeros(len(model.blocks), T, T, dtype=torch.bool)
+            for j in range(T):
+                out, _ = model(_change_at(x, j, V, seed + j))
+                change[:, j] = (out - base).abs().amax(dim=(0, 2)).double().cpu()
+                for layer, (o, b) in enumerate(zip(outputs, base_blocks, strict=True)):
+                    layers[layer, :, j] = (o != b).any(0).any(-1).cpu()
+                outputs[:] = []
+    finally:
+        for h in hooks:
+            h.remove()
+    return change, layers, base
+
+
 def check_future_perturbation(model: GPT, x: Tensor, seed: int = 2) -> Check:
-    """For every cut t: new tokens at >= t leave logits before t bit-identical and change logits at t."""
-    V = model.config.vocab_size
-    with torch.no_grad():
-        base, _ = model(x)
-        quiet, fired = 0.0, math.inf
-        for t in range(x.size(1)):
-            out, _ = model(_change_from(x, t, V, seed + t))
-            if not torch.equal(out[:, :t], base[:, :t]):
-                quiet = max(quiet, _max(out[:, :t] - base[:, :t]))
-            fired = min(fired, (out[:, t] - base[:, t]).abs().amax(-1).min().item())
+    """For every position j: a new token at j leaves the logits before j bit-identical and moves those at j.
+    A failure names the first (query, key) pair that leaked and the first layer whose output shows it."""
+    change, layers, _ = _single_token_changes(model, x, seed)
+    quiet, fired = _max(change.triu(1)), change.diagonal().min().item()
+    pair = leak_pair(change > 0)
+    where = first_leak(change > 0) or first_blind_spot(change > 0)
+    if pair is not None and layers[:, pair[0], pair[1]].any():
+        where += f" in layer {layers[:, pair[0], pair[1]].nonzero()[0].item()}"
     return Check(f"model: future perturbation ({model.config.attn_backend})", quiet == 0 and fired > 0,
-                 quiet, fired)
+                 quiet, fired, where)
 
 
 def check_gradients(model: GPT, x: Tensor) -> Check:
@@ -206,52 +287,53 @@ def check_gradients(model: GPT, x: Tensor) -> Check:
         captured.append(emb)
         return emb
 
-    handle = model.drop.register_forward_hook(capture)  # the embedding sum, as the blocks see it
+    handle = model.tok_emb.register_forward_hook(capture)  # the token embeddings, as the blocks get them
     try:
         logits, _ = model(x)
     finally:
         handle.remove()
     emb = captured[0]
-    quiet, fired = 0.0, math.inf
+    grads = torch.zeros(x.size(1), x.size(1), dtype=torch.float64)
     for t in range(x.size(1)):
         (grad,) = torch.autograd.grad(logits[:, t].sum(), emb, retain_graph=True)
-        per_pos = grad.abs().sum(dim=(0, 2))  # (T,)
-        quiet = max(quiet, _max(per_pos[t + 1:]))
-        fired = min(fired, per_pos[t].item(), per_pos[:t].max().item() if t > 0 else math.inf)
-    return Check(f"model: gradients ({model.config.attn_backend})", quiet == 0 and fired > 0, quiet, fired)
+        grads[t] = grad.abs().sum(dim=(0, 2)).double().cpu()
+    return _gradient_check(f"model: gradients ({model.config.attn_backend})", grads)
 
 
 def check_prefix_parity(model: GPT, x: Tensor, tol: float = 1e-9) -> Check:
     """model(x[:, :t]) equals model(x)[:, :t] for every t (in float64, to rounding)."""
     with torch.no_grad():
         full, _ = model(x)
-        quiet = max(_max(model(x[:, :t])[0] - full[:, :t]) for t in range(1, x.size(1) + 1))
+        errors = [_max(model(x[:, :t])[0] - full[:, :t]) for t in range(1, x.size(1) + 1)]
         # positive control: the last position really reads its past (another first token changes it),
         # so agreeing with the full run is not trivially true
-        other_first = torch.cat([_change_from(x, 0, model.config.vocab_size, 9)[:, :1], x[:, 1:]], dim=1)
+        other_first = _change_at(x, 0, model.config.vocab_size, 9)
         fired = _max(model(other_first)[0][:, -1] - full[:, -1])
-    return Check(f"model: prefix parity ({model.config.attn_backend})", quiet <= tol and fired > 0, quiet, fired)
+    bad = [t for t, e in enumerate(errors, 1) if e > tol]
+    where = f"the first {bad[0]} tokens alone give other logits than in the full sequence" if bad else ""
+    return Check(f"model: prefix parity ({model.config.attn_backend})", not bad and fired > 0, max(errors), fired,
+                 where)
 
 
 def check_dropout_causality(backend: str = "manual", seed: int = 3, **options) -> Check:
-    """Train mode, dropout 0.3, same RNG state: future perturbation changes nothing before t.
-    options: further GPTConfig options (e.g. pos_emb="rope")."""
+    """Train mode, dropout 0.3, the same RNG state for every forward: a new token at j changes nothing
+    before j. options: further GPTConfig options (e.g. pos_emb="rope")."""
     model = leak_test_model(backend, dropout=0.3, **options).train()
     x = random_tokens(3, 8, model.config.vocab_size, seed)
-    quiet, fired = 0.0, math.inf
+    T = x.size(1)
+    change = torch.zeros(T, T, dtype=torch.float64)
     with torch.no_grad():
-        for t in range(x.size(1)):
+        torch.manual_seed(seed)
+        base, _ = model(x)
+        for j in range(T):
             torch.manual_seed(seed)
-            base, _ = model(x)
-            torch.manual_seed(seed)
-            out, _ = model(_change_from(x, t, model.config.vocab_size, seed + t))
-            if not torch.equal(out[:, :t], base[:, :t]):
-                quiet = max(quiet, _max(out[:, :t] - base[:, :t]))
-            fired = min(fired, _max(out[:, t] - base[:, t]))
+            out, _ = model(_change_at(x, j, model.config.vocab_size, seed + j))
+            change[:, j] = (out - base).abs().amax(dim=(0, 2))
         torch.manual_seed(seed + 100)  # and dropout is really on: another draw changes the output
         other, _ = model(x)
-    fired = min(fired, _max(other - base))
-    return Check(f"model: dropout causality ({backend})", quiet == 0 and fired > 0, quiet, fired)
+    quiet, fired = _max(change.triu(1)), min(change.diagonal().min().item(), _max(other - base))
+    return Check(f"model: dropout causality ({backend})", quiet == 0 and fired > 0, quiet, fired,
+                 first_leak(change > 0))
 
 
 def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 16, seed: int = 4, slide: int = 1) -> Check:
@@ -278,12 +360,12 @@ def check_chunked_prefill(model: GPT, x: Tensor, split: int | None = None) -> Ch
     split = split or T // 2
     with torch.no_grad():
         full, _ = model(x)
-        cache = model._new_cache(x.size(0), x.device)
-        first = model.lm_head(model.hidden(x[:, :split], cache))
-        second = model.lm_head(model.hidden(x[:, split:], cache))
+        cache = model.new_cache(x.size(0))
+        first, _ = model(x[:, :split], cache=cache)
+        second, _ = model(x[:, split:], cache=cache)
         chunked = torch.cat([first, second], dim=1)
         # positive control: without the cache the second chunk alone reads a different context
-        alone = model.lm_head(model.hidden(x[:, split:]))
+        alone, _ = model(x[:, split:])
     quiet = _max(chunked - full)
     fired = _max(alone - full[:, split:])
     return Check(f"model: chunked prefill ({model.config.attn_backend})", quiet <= 1e-9 and fired > 0, quiet, fired)
@@ -295,7 +377,7 @@ def check_batch_shift(batch_size: int = 64, block_size: int = 8, n: int = 40) ->
     """On data 0, 1, 2, ... (as a numpy array, and as the tensor train.py batches from):
     y[:, :-1] == x[:, 1:], y[:, -1] is the token after the window, y == x + 1, and the offsets
     reach the last valid window without running past the end."""
-    wrong, reach, window_ok, top = 0, True, True, 0
+    wrong, reach, window_ok, top, shifts = 0, True, True, 0, set()
     for corpus in (np.arange(n, dtype=np.uint16), torch.arange(n)):
         x, y = data.get_batch(corpus, batch_size * 20, block_size, torch.Generator().manual_seed(0))
         starts = x[:, 0]
@@ -304,8 +386,12 @@ def check_batch_shift(batch_size: int = 64, block_size: int = 8, n: int = 40) ->
         # the last valid offset is n - T - 1: its target window ends exactly at the last token
         reach &= starts.max().item() == n - block_size - 1 and starts.min().item() == 0
         top = max(top, y.max().item())
+        shifts |= set((y - x).unique().tolist())
+    where = "" if shifts == {1} else f"targets are the inputs shifted by {sorted(shifts)}, not by 1"
+    if not reach:
+        where += ("; " if where else "") + "the window offsets do not reach both ends of the data"
     return Check("data: targets are next tokens", wrong == 0 and window_ok and reach,
-                 float(wrong), float(top == n - 1), f"(offsets reach the last window: {reach})")
+                 float(wrong), float(top == n - 1), where)
 
 
 def find_offsets(corpus: np.ndarray, x: Tensor) -> list[int]:
@@ -369,12 +455,14 @@ def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray)
 # --- everything at once --------------------------------------------------------------------------
 
 def run_check(name: str, fn: Callable[..., Check], *args) -> Check:
-    """Run a check; an exception (e.g. the ValueError for a query row with no allowed key, or a
-    float16 overflow) is a failed check that reports the error, not a crash of the whole run."""
+    """Run a check under `name`; an exception (e.g. the ValueError for a query row with no allowed key, or
+    a float16 overflow) is a failed check that reports the error, not a crash of the whole run."""
     try:
-        return fn(*args)
+        check = fn(*args)
     except Exception as e:  # noqa: BLE001 - every failure mode of the code under test counts
         return Check(name, False, math.nan, math.nan, f"raised {type(e).__name__}: {e}")
+    check.name = name
+    return check
 
 
 def model_checks(model: GPT, x: Tensor) -> list[Check]:
@@ -391,7 +479,8 @@ def model_checks(model: GPT, x: Tensor) -> list[Check]:
 
 def all_checks() -> list[Check]:
     """Every check, on both backends, on re-drawn random models. The mutation meta-tests run this."""
-    checks = [run_check("attention: future perturbation", check_attention_future_perturbation),
+    checks = [run_check("mask: causal_mask is the lower triangle", check_causal_mask),
+              run_check("attention: future perturbation", check_attention_future_perturbation),
               run_check("attention: weights", check_attention_weights),
               run_check("attention: extreme scores", check_attention_extreme_scores),
               run_check("attention: gradients", check_attention_gradients),

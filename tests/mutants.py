@@ -73,51 +73,56 @@ def mask_transposed(Tq, Tk, device=None):
 
 
 # --- broken attention functions (each is the real one with one step done wrong) --------------------
+# They take attention's arguments: `mask` is the additive M (0 / -inf) the model passes, or a bool mask.
 
 def _scores(q, k):
     return q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
 
 
-def attention_mask_after_softmax(q, k, v, allowed=None, dropout_p=0.0, generator=None):
+def _allowed(mask):
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def attention_mask_after_softmax(q, k, v, mask=None, dropout_p=0.0):
     w = torch.softmax(_scores(q, k), dim=-1)  # normalised over the future too
-    if allowed is not None:
-        w = w * allowed  # zeroed afterwards, rows no longer sum to 1
+    if mask is not None:
+        w = w * _allowed(mask)  # zeroed afterwards, rows no longer sum to 1
     return w @ v, w
 
 
-def attention_scores_times_zero(q, k, v, allowed=None, dropout_p=0.0, generator=None):
+def attention_scores_times_zero(q, k, v, mask=None, dropout_p=0.0):
     s = _scores(q, k)
-    if allowed is not None:
-        s = s * allowed  # exp(0) = 1: the future keeps weight (0.4965 in the seeds' example)
+    if mask is not None:
+        s = s * _allowed(mask)  # exp(0) = 1: the future keeps weight (0.4965 in the seeds' example)
     w = torch.softmax(s, dim=-1)
     return w @ v, w
 
 
-def attention_softmax_over_queries(q, k, v, allowed=None, dropout_p=0.0, generator=None):
+def attention_softmax_over_queries(q, k, v, mask=None, dropout_p=0.0):
     s = _scores(q, k)
-    if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~_allowed(mask), float("-inf"))
     w = torch.softmax(s, dim=-2)  # over the query axis: each column sums to 1
     return w @ v, w
 
 
-def attention_fill_minus_1e9(q, k, v, allowed=None, dropout_p=0.0, generator=None):
+def attention_fill_minus_1e9(q, k, v, mask=None, dropout_p=0.0):
     s = _scores(q, k)
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -1e9)  # overflows float16 (max 65504)
+    if mask is not None:
+        s = s.masked_fill(~_allowed(mask), -1e9)  # overflows float16 (max 65504)
     w = torch.softmax(s, dim=-1)  # and in the input dtype, not float32
     return w @ v, w
 
 
-def attention_fill_minus_1e4(q, k, v, allowed=None, dropout_p=0.0, generator=None):
+def attention_fill_minus_1e4(q, k, v, mask=None, dropout_p=0.0):
     s = _scores(q, k)
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -1e4)  # "small enough": until an allowed score is smaller still
+    if mask is not None:
+        s = s.masked_fill(~_allowed(mask), -1e4)  # "small enough": until an allowed score is smaller still
     w = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32)).to(q.dtype)
     return w @ v, w
 
 
-def sdpa_not_causal(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+def sdpa_ignores_the_mask(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
     return _REAL_SDPA(q, k, v, attn_mask=None, dropout_p=dropout_p, is_causal=False, **kw)
 
 
@@ -151,7 +156,7 @@ MUTANTS = [
     Mutant("softmax over the query axis", "attention", attention_softmax_over_queries),
     Mutant("-1e9 fill (overflows float16)", "attention", attention_fill_minus_1e9),
     Mutant("-1e4 fill instead of -inf (float32)", "attention", attention_fill_minus_1e4),
-    Mutant("sdpa with is_causal=False", "sdpa", sdpa_not_causal),
+    Mutant("sdpa without the mask", "sdpa", sdpa_ignores_the_mask),
     Mutant("targets equal inputs (y = x)", "get_batch", batcher(0)),
     Mutant("targets shifted by two", "get_batch", batcher(2)),
     Mutant("targets shifted backwards", "get_batch", batcher(-1)),

@@ -264,8 +264,8 @@ def _forward_poisoned_at(call: int, value: float):
     real_forward = GPT.forward
     count = [0]
 
-    def forward(self, idx, targets=None):
-        logits, loss = real_forward(self, idx, targets)
+    def forward(self, idx, targets=None, cache=None):
+        logits, loss = real_forward(self, idx, targets, cache)
         if self.training and targets is not None:
             count[0] += 1
             if count[0] == call:

@@ -11,7 +11,8 @@ import torch
 
 from data import CharTokenizer, eval_windows, load_source
 from model import GPT, GPTConfig
-from model.attention import CausalSelfAttention, KVCache, causal_mask
+from model.attention import CausalSelfAttention, KVCache, additive_mask, causal_mask
+from training.visualize import attention_maps
 
 # --- GPTConfig -------------------------------------------------------------------------------------
 
@@ -57,14 +58,14 @@ def test_a_rotary_model_cast_with_to_dtype_keeps_its_positions():
 
 
 def test_a_cached_forward_past_block_size_names_the_total_length():
-    """Catches (hidden's check `start + T > block_size` -> `T > block_size`: the cached positions
+    """Catches (forward's check `start + T > block_size` -> `T > block_size`: the cached positions
     forgotten, so the position table is indexed past its end with an IndexError)."""
     model = GPT(tiny()).eval()
-    cache = model._new_cache(1, torch.device("cpu"))
-    model.hidden(torch.zeros(1, 8, dtype=torch.long), cache)
+    cache = model.new_cache(1)
+    model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="sequence length 13 exceeds block_size 12"):
-        model.hidden(torch.zeros(1, 5, dtype=torch.long), cache)
-    model.hidden(torch.zeros(1, 4, dtype=torch.long), cache)  # exactly block_size in all still fits
+        model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+    model(torch.zeros(1, 4, dtype=torch.long), cache=cache)  # exactly block_size in all still fits
     assert cache.length == 12
 
 
@@ -75,8 +76,7 @@ def test_generate_without_the_cache_feeds_the_whole_window_to_every_forward(use_
     use_cache=True to stream whatever it was given: the parity checks compared the cache with itself)."""
     model = GPT(tiny()).eval()
     seen = []
-    real_hidden = model.hidden
-    model.hidden = lambda idx, *a, **kw: seen.append(idx.size(1)) or real_hidden(idx, *a, **kw)
+    model.register_forward_pre_hook(lambda _m, args: seen.append(args[0].size(1)))
     model.generate(torch.zeros(1, 3, dtype=torch.long), 4, use_cache=use_cache)
     assert seen == fed
 
@@ -120,12 +120,12 @@ def test_attention_module_equals_the_documented_computation_from_its_weights(bac
     (qk_norm giving k = rms_norm(q)), (qk_norm on q only), (`if not self.qk_norm`), (proj skipped),
     (attention dropout also in eval mode)."""
     torch.manual_seed(0)
-    attn = CausalSelfAttention(16, 2, 0.5, bias=True, backend=backend, qk_norm=qk_norm).double().eval()
+    attn = CausalSelfAttention(16, 2, 0.5, True, backend, qk_norm, 0).double().eval()
     with torch.no_grad():
         for p in attn.parameters():
             p.normal_(0, 0.5)
         x = torch.randn(2, 5, 16, dtype=torch.float64)
-        got = attn(x, causal_mask(5, 5))
+        got = attn(x, additive_mask(causal_mask(5, 5), torch.float64))
         torch.testing.assert_close(got, attention_by_hand(attn, x, qk_norm), rtol=0, atol=1e-12)
         # positive control: the by-hand reference tells the two qk_norm settings apart
         assert (attention_by_hand(attn, x, not qk_norm) - got).abs().max() > 1e-3
@@ -135,13 +135,14 @@ def test_training_mode_drops_whole_output_entries_and_eval_mode_none():
     """The residual dropout zeroes entries of the projected output (with biases, nothing else can
     make one exactly 0). Catches (resid_dropout skipped)."""
     torch.manual_seed(0)
-    attn = CausalSelfAttention(16, 2, 0.5, bias=True, backend="manual")
+    attn = CausalSelfAttention(16, 2, 0.5, True, "manual", False, 0)
+    mask = additive_mask(causal_mask(8, 8))
     with torch.no_grad():
         attn.proj.bias.fill_(1.0)
         x = torch.randn(4, 8, 16)
-        zeros = (attn.train()(x, causal_mask(8, 8)) == 0).float().mean().item()
+        zeros = (attn.train()(x, mask) == 0).float().mean().item()
         assert 0.4 < zeros < 0.6
-        assert (attn.eval()(x, causal_mask(8, 8)) == 0).sum().item() == 0
+        assert (attn.eval()(x, mask) == 0).sum().item() == 0
 
 
 def test_attention_maps_come_from_the_manual_path_on_an_sdpa_model_too():
@@ -151,9 +152,10 @@ def test_attention_maps_come_from_the_manual_path_on_an_sdpa_model_too():
     fused = GPT(tiny(attn_backend="sdpa")).eval()
     fused.load_state_dict(manual.state_dict())
     idx = torch.randint(11, (2, 7))
-    maps = fused.attention_maps(idx)
+    maps = attention_maps(fused, idx)
     assert len(maps) == 2 and maps[0].shape == (2, 2, 7, 7)
-    for got, want in zip(maps, manual.attention_maps(idx), strict=True):
+    assert all(block.attn.weights is None and not block.attn.keep_weights for block in fused.blocks)  # reset
+    for got, want in zip(maps, attention_maps(manual, idx), strict=True):
         torch.testing.assert_close(got, want)
 
 

@@ -127,8 +127,7 @@ def test_the_cache_feeds_one_token_per_step_between_slides(slide, fed):
     """The speed claim, counted: how many tokens each forward of the cached path processes."""
     model = GPT(tiny()).eval()
     seen = []
-    real_hidden = model.hidden
-    model.hidden = lambda idx, *a, **kw: seen.append(idx.size(1)) or real_hidden(idx, *a, **kw)
+    model.register_forward_pre_hook(lambda _m, args: seen.append(args[0].size(1)))
     model.generate(torch.zeros(1, 3, dtype=torch.long), 30, use_cache=True, slide=slide)
     assert seen == fed
 
@@ -211,17 +210,18 @@ def test_rope_rotates_each_channel_pair_forward_by_position_times_frequency():
 def test_rotary_attention_sees_only_relative_positions():
     """With rotary positions, shifting every position by the same amount changes no output: q and k
     are both rotated, so their scores depend on m - n only (rotating only q would make them absolute)."""
-    from model.attention import CausalSelfAttention, causal_mask
+    from model.attention import CausalSelfAttention, additive_mask, causal_mask
     from model.gpt import rope_frequencies
 
     torch.manual_seed(0)
-    attn = CausalSelfAttention(32, 4, 0.0, bias=False, backend="manual").double()
+    attn = CausalSelfAttention(32, 4, 0.0, False, "manual", False, 0).double()
     freqs = rope_frequencies(64, 8)
     x = torch.randn(2, 6, 32, dtype=torch.float64)
-    at_start = attn(x, causal_mask(6, 6), rope=freqs[:6])
-    shifted = attn(x, causal_mask(6, 6), rope=freqs[20:26])
+    mask = additive_mask(causal_mask(6, 6), torch.float64)
+    at_start = attn(x, mask, rope=freqs[:6])
+    shifted = attn(x, mask, rope=freqs[20:26])
     torch.testing.assert_close(shifted, at_start, rtol=0, atol=1e-6)  # complex64 angles: ~1e-7
-    unrotated = attn(x, causal_mask(6, 6))
+    unrotated = attn(x, mask)
     assert (unrotated - at_start).abs().max() > 1e-2  # and the rotation does act
 
 

@@ -23,8 +23,8 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 def orthogonalize(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Approximate U V^T for G = U S V^T with a few Newton-Schulz iterations (no SVD).
 
-    The iteration only has to land the singular values near 1, so it runs in bfloat16 (as Muon's
-    reference does): 1.4-1.5x faster than float32 on a CPU with bf16 matrix units (AMX; benchmarks/micro.py).
+    The iteration only has to land the singular values near 1, so bfloat16 is precise enough (Muon's
+    reference runs it so); Muon picks it where bf16 matmuls are fast.
 
     Args:
         G: (rows, cols) or a stack (n, rows, cols) of same-shape matrices, orthogonalised each.
@@ -53,12 +53,14 @@ class Muon(ParamGroupOptimizer):
     """
 
     def __init__(self, groups: list[dict], lr: float = 0.02, momentum: float = 0.95,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
         for g in groups:
             if g.get("use_muon") and any(p.dim() != 2 for p in g["params"]):
                 raise ValueError("Muon groups take 2-D weight matrices only")
         super().__init__(groups, dict(lr=lr, momentum=momentum, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, use_muon=False))
+        self.ns_dtype = ns_dtype  # the Newton-Schulz iteration's precision
 
     @torch.no_grad()
     def step(self) -> None:
@@ -81,7 +83,7 @@ class Muon(ParamGroupOptimizer):
             for i, u in enumerate(updates):
                 by_shape.setdefault(tuple(u.shape), []).append(i)
             for indices in by_shape.values():
-                ortho = orthogonalize(torch.stack([updates[i] for i in indices]))
+                ortho = orthogonalize(torch.stack([updates[i] for i in indices]), dtype=self.ns_dtype)
                 for i, o in zip(indices, ortho, strict=True):
                     updates[i] = o
             for p, update in zip(params, updates, strict=True):

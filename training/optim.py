@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import TrainConfig
+from .runtime import bf16_pays
 
 # PyTorch's fused AdamW kernel exists for CUDA and (from torch 2.4) CPU tensors; elsewhere (MPS) the
 # per-tensor loop below runs instead
@@ -158,7 +159,12 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> ParamGroupOptimiz
              "base_lr": cfg.learning_rate, "weight_decay": cfg.weight_decay},
             {"params": [p for _, p in named if p.dim() < 2], "base_lr": cfg.learning_rate, "weight_decay": 0.0},
         ]
-        return Muon(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+        # Newton-Schulz in bf16 where its matmuls are fast (a GPU, a CPU with AMX); on other CPUs bf16
+        # matmuls are ~10x slower than float32 ones (benchmarks/RESULTS.md)
+        device = hidden[0].device if hidden else torch.device("cpu")
+        fast = bf16_pays(device, 4 * cfg.n_embd, cfg.n_embd, min_work=0)
+        return Muon(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                    ns_dtype=torch.bfloat16 if fast else torch.float32)
     groups = [
         {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import platform
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,38 +40,50 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-# bf16 autocast on an AMX CPU pays only when the matmuls are large enough to amortise its casts.
-# The cut-off is where the measured speed-up crosses 1 (one size at it measured 0.97x, within noise).
-# Measured by training-step time (benchmarks/results/cpu_bf16_by_size.jsonl): with batch_size x
-# block_size x n_embd at 2**16 and above, bf16 was 0.97-1.31x the speed of float32 (1.31x for the
-# laptop recipe); below it, 0.70-0.89x.
+# bf16 autocast on a CPU pays only where the CPU computes bf16 matmuls natively (AMX, AVX512-BF16) and
+# the matmuls are large enough to amortise the casts: batch_size x block_size x n_embd >= 2**16 is the
+# measured crossover on an AMX CPU, and on this project's sizes bf16 then gained 1.13-1.31x per step
+# where its matmuls ran ~3x faster (benchmarks/RESULTS.md). Without native bf16 its matmuls run ~10x
+# slower, so a one-off timing tells the two kinds of CPU apart.
 CPU_BF16_MIN_WORK = 2 ** 16
+CPU_BF16_MIN_SPEEDUP = 1.5
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later): bfloat16 matrix units.
+@functools.cache
+def cpu_bf16_speedup(rows: int, width: int) -> float:
+    """How many times faster this CPU multiplies (rows, width) @ (width, 4 width) in bfloat16 than in
+    float32: the model's MLP matmul, timed once per process (~0.1 s at most; rows is capped at 1024)."""
+    gen = torch.Generator().manual_seed(0)  # never the global RNG: a run must draw what it always drew
+    x, w = torch.randn(min(rows, 1024), width, generator=gen), torch.randn(4 * width, width, generator=gen)
 
-    There bfloat16 matmuls of this project's sizes measured ~3x faster than float32 ones. Without
-    AMX, bfloat16 on a CPU is converted to float32 inside each kernel and is no faster, often slower.
-    """
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # a private probe: absent means unknown
-    return bool(probe is not None and probe())
+    def seconds(a: torch.Tensor, b: torch.Tensor, runs: int) -> float:
+        torch.nn.functional.linear(a, b)  # warm-up: first-call costs are not the steady state
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(a, b)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return seconds(x, w, 3) / seconds(x.bfloat16(), w.bfloat16(), 2)
 
 
-def resolve_dtype(name: str, device: torch.device, work: int | None = None) -> torch.dtype:
+def bf16_pays(device: torch.device, rows: int, width: int, min_work: int = CPU_BF16_MIN_WORK) -> bool:
+    """Whether (rows, width) @ (width, 4 width) matmuls are markedly faster in bfloat16 on this device:
+    on CUDA where it is supported; on a CPU when rows * width >= min_work and cpu_bf16_speedup says so."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and rows * width >= min_work and cpu_bf16_speedup(rows, width) >= CPU_BF16_MIN_SPEEDUP
+
+
+def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int] | None = None) -> torch.dtype:
     """The compute dtype a config's `dtype` means on this device.
 
-    'auto' -> bfloat16 on a CUDA device that supports it, and on a CPU with AMX when the model's
-    matmuls are large enough to gain from it (work = batch_size * block_size * n_embd of one
-    micro-batch >= CPU_BF16_MIN_WORK; None means the size is unknown and counts as large enough);
-    float32 otherwise. Any other name is taken as given.
+    'auto' -> bfloat16 where bf16_pays for the model's matmuls, matmul = (batch_size * block_size, n_embd)
+    of one micro-batch (None: unknown, float32 on a CPU); float32 otherwise. Any other name is taken as given.
     """
     if name == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        if device.type == "cpu" and cpu_has_amx() and (work is None or work >= CPU_BF16_MIN_WORK):
-            return torch.bfloat16
-        return torch.float32
+        return torch.bfloat16 if bf16_pays(device, *(matmul or (0, 0))) else torch.float32
     return DTYPES[name]
 
 
@@ -118,6 +133,19 @@ def discard_stdout() -> None:
     the reader went away), send stdout to /dev/null. The command then stops quietly, as Unix tools
     do; otherwise Python reports the broken pipe again when it flushes stdout at exit."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def keep_freed_memory() -> None:
+    """Have glibc's malloc reuse freed memory instead of handing it back to the OS (Linux; elsewhere a
+    no-op). A training step frees and reallocates the same activations every step; by default blocks
+    over 128 KB are fresh mappings, page-faulted in again each time. Kept, a laptop-recipe step ran
+    5-8 % faster and the manual attention as fast as sdpa's (benchmarks/RESULTS.md)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD: only blocks over 32 MB get mappings of their own
+    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: keep up to 1 GB of freed heap for reuse
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:

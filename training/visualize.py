@@ -147,18 +147,36 @@ def _centred(draw, xy: tuple[float, float], text: str, font) -> None:
     draw.text((xy[0] - (left + right) / 2, xy[1] - (top + bottom) / 2), text, fill=(60, 60, 60), font=font)
 
 
+@torch.no_grad()
+def attention_maps(model: GPT, idx: Tensor) -> list[Tensor]:
+    """Attention weights of every layer for idx (B, T): n_layer tensors (B, H, T, T).
+
+    Sets each attention module's keep_weights flag for one forward (which runs the from-scratch
+    attention, on an sdpa model too) and clears it again. `model` must be the plain module, not a
+    torch.compile wrapper; its mode (train or eval) is the caller's.
+    """
+    layers = [block.attn for block in model.blocks]
+    for attn in layers:
+        attn.keep_weights = True
+    try:
+        model(idx)
+        return [attn.weights for attn in layers]
+    finally:
+        for attn in layers:
+            attn.keep_weights, attn.weights = False, None
+
+
 def prompt_attention(model: GPT, ids: Sequence[int]) -> list[Tensor]:
     """Attention weights of every layer for one prompt: L tensors (H, T, T), float32, on the CPU.
 
     Runs model in eval mode (no dropout, so no random numbers are drawn) and restores its mode.
-    `model` must be the plain module (GPT.attention_maps), not a torch.compile wrapper.
     """
     if not 1 <= len(ids) <= model.config.block_size:
         raise ValueError(f"an attention prompt needs 1..block_size={model.config.block_size} tokens, "
                          f"got {len(ids)}")
     device = next(model.parameters()).device
     with evaluating(model):
-        maps = model.attention_maps(torch.tensor([list(ids)], dtype=torch.long, device=device))
+        maps = attention_maps(model, torch.tensor([list(ids)], dtype=torch.long, device=device))
     return [m[0].float().cpu() for m in maps]  # batch item 0: (H, T, T) per layer
 
 
