@@ -1,7 +1,7 @@
 """Side by side with nanoGPT on this machine: the laptop recipe, alternating runs, one sitting.
 
     python benchmarks/vs_nanogpt.py --nanogpt=PATH --dataset=PATH/input.txt [--rounds=2] [--json=FILE]
-        [--ours configs/shakespeare_char_cpu.toml configs/shakespeare_char_cpu_fast.toml ...]
+        [--ours configs/shakespeare_char_cpu.toml "configs/shakespeare_char_cpu.toml --attn_backend=sdpa" ...]
         [--ours_args="--field=value ..."]
 
 PATH is a nanoGPT checkout whose data/shakespeare_char/ has been prepared (its prepare.py, run on
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset", required=True, help="the same text, input.txt, for our runs")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of every program; medians reported")
     p.add_argument("--ours", nargs="+", default=["configs/shakespeare_char_cpu.toml"],
-                   help="our config(s) to run against nanoGPT")
+                   help="our config(s) to run against nanoGPT, each optionally with its own overrides")
     p.add_argument("--ours_args", default="", help="extra --field=value overrides for our run")
     p.add_argument("--json", default=None, help="also write every run and the medians here")
     args = p.parse_args(argv)
@@ -102,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         extra = shlex.split(args.ours_args)
         # warm up: the first process after a while pays for cold file caches
-        run_ours(args.ours[0], extra + ["--max_iters=5", "--exact_val=false"], args.dataset, tmp)
+        first, *own = shlex.split(args.ours[0])
+        run_ours(first, extra + own + ["--max_iters=5", "--exact_val=false"], args.dataset, tmp)
         for r in range(args.rounds):
             jobs = [lambda: run_nanogpt(args.nanogpt, tmp)]
-            jobs += [lambda c=c: run_ours(c, extra, args.dataset, tmp) for c in args.ours]
+            # an entry is a config and its own overrides: "configs/x.toml --attn_backend=sdpa"
+            jobs += [lambda c=c: {**run_ours(shlex.split(c)[0], extra + shlex.split(c)[1:], args.dataset, tmp),
+                                  "program": f"ours:{c}"} for c in args.ours]
             for job in jobs:
                 row = {"round": r, **job()}
                 print(json.dumps(row), flush=True)

@@ -69,6 +69,14 @@ def test_shipped_configs_load_and_match_nanogpt_recipes():
     parse_args([str(CONFIGS / "debug.toml")])
 
 
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_trains_on_the_from_scratch_attention(path):
+    """The from-scratch attention is what trains: said once, as the field's default, in no file."""
+    cfg, _ = parse_args([str(path)])
+    assert cfg.attn_backend == "manual"
+    assert "attn_backend" not in path.read_text()
+
+
 def test_help_lists_every_field_with_type_and_default():
     text = help_text()
     for f in dataclasses.fields(TrainConfig):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ import train
 from data import load_corpus
 from model import GPT
 from mutants import batcher, mask_leaks_one_step, substitute
-from training import TrainConfig
+from training import TrainConfig, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_targets_are_the_next_tokens_and_offsets_cover_every_window():
@@ -58,8 +61,8 @@ def test_the_loss_train_py_optimises_is_next_token_cross_entropy(tmp_path, monke
     records = []
     real_forward = GPT.forward
 
-    def recording_forward(self, idx, targets=None):
-        logits, loss = real_forward(self, idx, targets)
+    def recording_forward(self, idx, targets=None, cache=None):
+        logits, loss = real_forward(self, idx, targets, cache)
         if self.training and targets is not None:
             records.append((idx.clone(), targets.clone(), logits.detach().clone(), loss.detach().clone()))
         return logits, loss
@@ -117,3 +120,28 @@ def test_random_tokens_stay_unpredictable_unless_labels_or_mask_leak(bug, piece,
         assert summary["final_val_loss"] >= ln_v - 0.05
     else:
         assert val < ln_v - 1.0, f"{bug}: val {val:.3f} should fall far below ln(V) = {ln_v:.3f}"
+
+
+CPU_CONFIGS = [p for p in sorted((ROOT / "configs").glob("*.toml")) if 'device = "cpu"' in p.read_text()]
+
+
+@pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda p: p.name)
+def test_an_edit_of_causal_mask_reaches_the_training_of_every_shipped_cpu_config(config, random_corpus, tmp_path,
+                                                                                 monkeypatch):
+    """Every recipe trains on the from-scratch attention (test_config.py), so a mask that admits one
+    future key changes what a CPU recipe learns from its first steps (3 steps of each config's own model
+    and optimizer, batch 2: the loss estimates differ; without the edit two runs agree to the bit)."""
+    cfg, _ = parse_args([str(config), f"--dataset={random_corpus}", f"--cache_dir={tmp_path / 'cache'}",
+                         "--device=cpu", "--compile=false", "--dtype=float32", "--batch_size=2", "--max_iters=3",
+                         "--eval_interval=3", "--eval_iters=2", "--tensorboard=false", "--exact_val=false",
+                         "--warmup_iters=1", "--lr_decay_iters=3"])
+
+    def losses(name: str) -> list[float]:
+        run = cfg.replace(out_dir=str(tmp_path / name))
+        return [(h["train_loss"], h["val_loss"]) for h in train.train(run, verbose=False)["history"]]
+
+    clean = losses("clean")
+    assert losses("again") == clean  # the comparison below can only differ because of the edit
+    substitute(monkeypatch, "causal_mask", mask_leaks_one_step)
+    leaky = losses("leaky")
+    assert all(a != b for a, b in zip(clean, leaky, strict=True)), f"{config.name}: the edit never reached training"
