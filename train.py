@@ -33,7 +33,6 @@ from training import (
     estimate_loss,
     exact_loss,
     help_text,
-    keep_freed_memory,
     load_checkpoint,
     model_from_checkpoint,
     parse_args,
@@ -68,7 +67,6 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         argv: the command line it came from, recorded in config.json (None: not from a command line).
         verbose: print progress and write TensorBoard events (False: a silent run, as in tests).
     """
-    keep_freed_memory()
     dist = init_distributed(os.environ, cfg.device)
     guard = RunGuard(dist.device, Path(cfg.out_dir) / CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
     try:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prepared script for a machine with a GPU: correctness on CUDA, the full GPU training run,
-# and the KV-cache benchmark, with every figure written as JSON/text to one folder.
+# One prepared script for a machine with a GPU: correctness on CUDA, the GPU training run on the
+# from-scratch attention and on sdpa side by side (same steps, same seed), the fast recipe, and the
+# KV-cache benchmark, with every figure written as JSON/text to one folder.
 #
 #   SHAKESPEARE=path/to/input.txt bash benchmarks/gpu_check.sh [OUT_DIR]
 #   LONG=1 ...                                        # also the 3-minute best-val run (+4 min)
@@ -8,8 +9,8 @@
 #
 # OUT_DIR defaults to $OUT (set by the device tool) or out/gpu_check. Needs PyTorch, numpy, tqdm,
 # tensorboard and pytest; no network (the corpus comes from $SHAKESPEARE, or a synthetic one in
-# dry mode). Budget: under 8 minutes on one H100/H200 (two compiled runs: the 5000-step baseline
-# and the fast recipe), about 12 with LONG=1.
+# dry mode). Budget: under 8 minutes on one H100/H200 (three compiled runs: the 5000-step baseline
+# on each backend and the fast recipe), about 12 with LONG=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-out/gpu_check}}
@@ -57,20 +58,33 @@ python -m pytest tests/test_devices.py tests/test_attention.py tests/test_leakag
     > "$OUT_DIR/tests.txt" 2>&1 || status=1
 tail -3 "$OUT_DIR/tests.txt" | tee -a "$LOG"
 
-train_run() {  # CONFIG NAME TARGET: one training run through bench.py, figures to NAME.json
-    step "training run: $1 on $DEVICE"
+train_run() {  # CONFIG NAME TARGET [--field=value ...]: one training run through bench.py, figures to NAME.json
+    local config=$1 name=$2 target=$3
+    shift 3
+    step "training run: $config $* on $DEVICE"
     if [ ! -f "$DATA" ]; then
         echo "no corpus at $DATA: set SHAKESPEARE=path/to/input.txt" | tee -a "$LOG"
         status=1
         return
     fi
-    python benchmarks/bench.py "$1" --dataset="$DATA" --device="$DEVICE" --out_dir="$OUT_DIR/run" \
-        --cache_dir="$OUT_DIR/cache" --target_val="$3" --json="$OUT_DIR/$2.json" "${TRAIN_ARGS[@]}" \
+    python benchmarks/bench.py "$config" --dataset="$DATA" --device="$DEVICE" --out_dir="$OUT_DIR/run" \
+        --cache_dir="$OUT_DIR/cache" --target_val="$target" --json="$OUT_DIR/$name.json" "${TRAIN_ARGS[@]}" "$@" \
         >> "$LOG" 2>&1 || status=1
-    grep -E '"(ms_per_step_median|tokens_per_second|train_seconds|mfu|final_val_loss)"' "$OUT_DIR/$2.json" \
+    grep -E '"(ms_per_step_median|tokens_per_second|train_seconds|mfu|final_val_loss)"' "$OUT_DIR/$name.json" \
         2>/dev/null | tee -a "$LOG"
 }
-train_run configs/shakespeare_char.toml train 1.48
+train_run configs/shakespeare_char.toml train_manual 1.48  # the from-scratch attention: what every config trains
+train_run configs/shakespeare_char.toml train_sdpa 1.48 --attn_backend=sdpa
+step "manual vs sdpa"
+python - "$OUT_DIR" <<'EOF' > "$OUT_DIR/manual_vs_sdpa.json" || status=1
+import json, sys
+runs = {b: json.load(open(f"{sys.argv[1]}/train_{b}.json")) for b in ("manual", "sdpa")}
+out = {b: {k: r.get(k) for k in ("ms_per_step_median", "tokens_per_second", "mfu", "final_val_loss")}
+       for b, r in runs.items()}
+out["manual_over_sdpa_step_time"] = runs["manual"]["ms_per_step_median"] / runs["sdpa"]["ms_per_step_median"]
+print(json.dumps(out, indent=2))
+EOF
+cat "$OUT_DIR/manual_vs_sdpa.json" | tee -a "$LOG"
 train_run configs/shakespeare_char_fast.toml train_fast 1.47
 if [ "${LONG:-0}" = "1" ]; then
     train_run configs/shakespeare_char_fast_3min.toml train_fast_3min 1.42

@@ -148,6 +148,33 @@ def sample_threads() -> dict:
     return out
 
 
+def attention_variants() -> dict:
+    """model/attention.py: one layer's attention, forward and backward, at the laptop recipe's shapes:
+    the scale and the mask folded into baddbmm (ours), matmul + divide + masked_fill, and sdpa."""
+    import math
+
+    import torch.nn.functional as F
+
+    from model.attention import additive_mask, attention
+
+    B, H, T, D = 12, 4, 64, 32
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=g, requires_grad=True) for _ in range(3))
+    grad = torch.randn(B, H, T, D, generator=g)
+    allowed = causal_mask(T, T)
+    mask = additive_mask(allowed)
+
+    def unfolded():
+        s = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~allowed, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    variants = {"baddbmm_us": lambda: attention(q, k, v, mask)[0], "matmul_divide_masked_fill_us": unfolded,
+                "sdpa_us": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)}
+    return {"comment": "model/attention.py attention(): one layer forward + backward, (12, 4, 64, 32)",
+            **{name: 1e6 * median_seconds(lambda f=f: f().backward(grad), repeats=7, number=50)
+               for name, f in variants.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: measure every figure, print them (and write --json); returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -158,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
                    "entries": [causal_mask_cost(), tokenizer_speed(), newton_schulz_dtype(), tensorboard_import(),
-                               tensorboard_writes(Path(tmp)), sample_threads()]}
+                               tensorboard_writes(Path(tmp)), sample_threads(), attention_variants()]}
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:

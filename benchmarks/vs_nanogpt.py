@@ -51,11 +51,11 @@ def timed(cmd: list[str], cwd: Path, log: Path) -> tuple[float, float, int]:
     return wall, usage.ru_maxrss * rss_unit / 2**20, proc.returncode
 
 
-def run_nanogpt(path: Path, tmp: Path) -> dict:
-    """Run nanoGPT's laptop command from its checkout at `path` (output under tmp); returns its wall
-    time, peak RSS, ms/step and final val estimate, parsed from its log."""
+def run_nanogpt(path: Path, tmp: Path, extra: tuple[str, ...] = ()) -> dict:
+    """Run nanoGPT's laptop command from its checkout at `path` (output under tmp, `extra` overrides
+    last); returns its wall time, peak RSS, ms/step and final val estimate, parsed from its log."""
     log = tmp / "nanogpt.log"
-    wall, rss, rc = timed([sys.executable, *NANOGPT_CMD.split(), f"--out_dir={tmp / 'nanogpt_out'}"], path, log)
+    wall, rss, rc = timed([sys.executable, *NANOGPT_CMD.split(), f"--out_dir={tmp / 'nanogpt_out'}", *extra], path, log)
     text = log.read_text()
     if rc != 0:
         raise RuntimeError(f"nanoGPT failed:\n{text[-2000:]}")
@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="our config(s) to run against nanoGPT, each optionally with its own overrides")
     p.add_argument("--ours_args", default="", help="extra --field=value overrides for our run")
     p.add_argument("--json", default=None, help="also write every run and the medians here")
+    p.add_argument("--max_iters", type=int, default=None,
+                   help="stop both programs after this many steps (the schedule stays the recipe's): more, "
+                        "shorter rounds, for step times on a machine whose speed drifts")
     args = p.parse_args(argv)
     if not (args.nanogpt / "train.py").is_file():
         p.error(f"--nanogpt={args.nanogpt}: no nanoGPT train.py there")
@@ -101,11 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         extra = shlex.split(args.ours_args)
+        short = (f"--max_iters={args.max_iters}",) if args.max_iters else ()
+        extra += list(short)
         # warm up: the first process after a while pays for cold file caches
         first, *own = shlex.split(args.ours[0])
         run_ours(first, extra + own + ["--max_iters=5", "--exact_val=false"], args.dataset, tmp)
         for r in range(args.rounds):
-            jobs = [lambda: run_nanogpt(args.nanogpt, tmp)]
+            jobs = [lambda: run_nanogpt(args.nanogpt, tmp, short)]
             # an entry is a config and its own overrides: "configs/x.toml --attn_backend=sdpa"
             jobs += [lambda c=c: {**run_ours(shlex.split(c)[0], extra + shlex.split(c)[1:], args.dataset, tmp),
                                   "program": f"ours:{c}"} for c in args.ours]

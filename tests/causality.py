@@ -48,6 +48,15 @@ class Check:
                f"min change where one is required {self.fired:.3g}{where}"
 
 
+def require(*checks: Check) -> None:
+    """In a test: fail with one line per failed check (what broke and where), not a traceback."""
+    failed = [str(c) for c in checks if not c.ok]
+    if failed:
+        import pytest
+
+        pytest.fail("\n".join(failed), pytrace=False)
+
+
 def _max(x: Tensor) -> float:
     return x.abs().max().item() if x.numel() else 0.0
 

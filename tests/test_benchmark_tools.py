@@ -187,7 +187,7 @@ def test_vs_nanogpt_alternates_the_programs_and_reports_medians_and_ratios(tmp_p
     calls, left = [], {c: list(rows) for c, rows in OURS_ROWS.items()}
     nano_left = list(NANO_ROWS)
 
-    def run_nanogpt(path, tmp):
+    def run_nanogpt(path, tmp, extra=()):
         calls.append(("nanoGPT", path))
         return {"program": "nanoGPT", "dtype": "float32", **nano_left.pop(0), "final_step": 2000}
 

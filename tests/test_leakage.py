@@ -17,8 +17,12 @@ from model import GPTConfig
 BACKENDS = ["manual", "sdpa"]
 
 
-def assert_ok(check: C.Check) -> None:
-    assert check.ok, str(check)
+assert_ok = C.require
+
+
+def test_causal_mask_is_the_lower_triangle():
+    """On failure: causal_mask(6, 6) drawn next to the lower triangle."""
+    assert_ok(C.check_causal_mask())
 
 
 def test_attention_outputs_before_t_ignore_future_q_k_v():
@@ -95,7 +99,7 @@ def test_leak_checks_pass_on_checkpoint_weights(request, tmp_path):
     checks = C.checkpoint_checks(str(path))
     for check in checks:
         print(check)
-    assert all(c.ok for c in checks), "\n".join(str(c) for c in checks if not c.ok)
+    assert_ok(*checks)
 
 
 # --- every model option, in every combination ------------------------------------------------------
@@ -123,5 +127,4 @@ def test_every_combination_of_model_options_is_causal(options):
     model = C.leak_test_model(backend, **rest)
     checks = C.model_checks(model, C.random_tokens(3, 8, model.config.vocab_size))
     checks.append(C.check_dropout_causality(backend, **rest))
-    failed = [str(c) for c in checks if not c.ok]
-    assert not failed, "\n".join(failed)
+    assert_ok(*checks)

@@ -16,7 +16,6 @@ from .optim import configure_optimizer, lr_at, set_lr
 from .runtime import (
     autocast_context,
     discard_stdout,
-    keep_freed_memory,
     peak_flops,
     peak_memory_mb,
     resolve_device,
@@ -34,7 +33,6 @@ __all__ = [
     "estimate_loss",
     "exact_loss",
     "help_text",
-    "keep_freed_memory",
     "load_checkpoint",
     "lr_at",
     "peak_flops",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 import platform
@@ -133,19 +132,6 @@ def discard_stdout() -> None:
     the reader went away), send stdout to /dev/null. The command then stops quietly, as Unix tools
     do; otherwise Python reports the broken pipe again when it flushes stdout at exit."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def keep_freed_memory() -> None:
-    """Have glibc's malloc reuse freed memory instead of handing it back to the OS (Linux; elsewhere a
-    no-op). A training step frees and reallocates the same activations every step; by default blocks
-    over 128 KB are fresh mappings, page-faulted in again each time. Kept, a laptop-recipe step ran
-    5-8 % faster and the manual attention as fast as sdpa's (benchmarks/RESULTS.md)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD: only blocks over 32 MB get mappings of their own
-    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: keep up to 1 GB of freed heap for reuse
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
