@@ -54,7 +54,8 @@ EOF
 cat "$OUT_DIR/env.json" | tee -a "$LOG"
 
 step "attention equivalence and causality tests on $DEVICE"
-python -m pytest tests/test_devices.py tests/test_attention.py tests/test_leakage.py -q -p no:cacheprovider \
+python -m pytest tests/test_devices.py tests/test_attention.py tests/test_leakage.py tests/test_reference.py \
+    tests/test_mixed_precision.py -q -p no:cacheprovider \
     > "$OUT_DIR/tests.txt" 2>&1 || status=1
 tail -3 "$OUT_DIR/tests.txt" | tee -a "$LOG"
 

@@ -99,11 +99,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     M = mask.broadcast_to(B, H, Tq, Tk).reshape(B * H, Tq, Tk)  # a view unless the mask varies per row
     scores = torch.baddbmm(M, q.reshape(B * H, Tq, D), k.reshape(B * H, Tk, D).transpose(1, 2),
                            alpha=1.0 / math.sqrt(D))  # (B*H, Tq, Tk)
-    # 3. softmax over the KEY axis: each query spreads one unit of attention over the keys. Half
-    # precision is promoted to float32 so exp() cannot overflow.
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32 if half else None).to(q.dtype)
-    weights = weights.view(B, H, Tq, Tk)
+    # 3. softmax over the KEY axis: each query spreads one unit of attention over the keys (PyTorch
+    # computes a half-precision softmax in float32 inside the kernel: exp() cannot overflow)
+    weights = torch.softmax(scores, dim=-1).view(B, H, Tq, Tk)
     # 4. dropout on the weights that are already masked: it can zero a weight, never re-admit a key
     dropped = F.dropout(weights, dropout_p)
     # 5. each query's output is its weighted average of the values

@@ -165,7 +165,7 @@ class GPT(nn.Module):
         else:
             # (T, D/2) complex, per forward rather than a buffer: Module.to(dtype) would cast a complex
             # buffer to a real dtype, dropping its imaginary part
-            rope = rope_frequencies(positions, self.config.n_embd // self.config.n_head)
+            rope = rope_frequencies(positions, self.config.n_embd // self.config.n_head, dtype=x.dtype)
         x = F.dropout(x, self.config.dropout, self.training)
         # the (T, Tk) mask, built once per forward and shared by every layer; built afresh each time
         # so that an edit of causal_mask reaches an existing model at once
@@ -246,19 +246,23 @@ class GPT(nn.Module):
             yield next_id[:, 0]
 
 
-def rope_frequencies(positions: int | Tensor, head_dim: int, base: float = 10000.0) -> Tensor:
+def rope_frequencies(positions: int | Tensor, head_dim: int, base: float = 10000.0,
+                     dtype: torch.dtype = torch.float32) -> Tensor:
     """e^(i * p * base^(-2i/D)) for every position p and channel pair i: the rotary rotations.
 
     Args:
         positions: (T,) integer positions, or an int T for positions 0..T-1.
         head_dim: D, the width of one head (even).
+        dtype: the model's dtype; the angles are computed in float64 for a float64 model, in float32
+            for every other.
     Returns:
-        (T, D/2) complex64, on the positions' device; computed in float32 whatever the model's dtype.
+        (T, D/2) complex (complex128 for float64, else complex64), on the positions' device.
     """
     if isinstance(positions, int):
         positions = torch.arange(positions)
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
+    real = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=real, device=positions.device) / head_dim)
+    angles = positions.to(real)[:, None] * inv_freq[None, :]  # (T, D/2)
     return torch.polar(torch.ones_like(angles), angles)
 
 

@@ -9,6 +9,8 @@ import torch
 
 from model.attention import CausalSelfAttention, additive_mask, attention, causal_mask
 
+pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
+
 
 def t(rows) -> torch.Tensor:
     """A (1, 1, T, D) float64 tensor from nested lists: one batch, one head."""

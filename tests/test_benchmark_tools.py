@@ -665,14 +665,14 @@ def test_micro_json_file_is_what_was_printed(tmp_path, monkeypatch, capsys):
     """--json gets exactly the printed text (one trailing newline), with every entry in its order;
     the measurements themselves are faked (they take minutes)."""
     for i, name in enumerate(["causal_mask_cost", "tokenizer_speed", "newton_schulz_dtype", "tensorboard_import",
-                              "sample_threads"]):
+                              "sample_threads", "attention_variants"]):
         monkeypatch.setattr(micro, name, lambda i=i: {"entry": i})
     monkeypatch.setattr(micro, "tensorboard_writes", lambda tmp: {"entry": "tb"})
     out = tmp_path / "micro.json"
     assert micro.main([f"--json={out}"]) == 0
     printed = capsys.readouterr().out
     assert json.loads(printed)["entries"] == [{"entry": 0}, {"entry": 1}, {"entry": 2}, {"entry": 3},
-                                             {"entry": "tb"}, {"entry": 4}]
+                                             {"entry": "tb"}, {"entry": 4}, {"entry": 5}]
     assert out.read_text() == printed
 
 
@@ -867,7 +867,8 @@ def test_vs_nanogpt_summary_survives_runs_without_an_exact_val(tmp_path, monkeyp
     dataset = tmp_path / "input.txt"
     dataset.write_text("text")
     row = dict(wall_seconds=10.0, ms_per_step_median=5.0, peak_rss_mb=1.0, val_loss_estimate=2.0, final_step=5)
-    monkeypatch.setattr(vs_nanogpt, "run_nanogpt", lambda path, tmp: {"program": "nanoGPT", "dtype": "float32", **row})
+    monkeypatch.setattr(vs_nanogpt, "run_nanogpt",
+                        lambda path, tmp, extra=(): {"program": "nanoGPT", "dtype": "float32", **row})
     monkeypatch.setattr(vs_nanogpt, "run_ours", lambda config, extra, data, tmp: {
         "program": f"ours:{config}", "dtype": "float32", **row, "final_val_loss_exact": None})
     out = tmp_path / "vs.json"

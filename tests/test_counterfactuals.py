@@ -9,6 +9,8 @@ import torch
 
 from model.attention import attention, causal_mask
 
+pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
+
 
 def qkv(T: int = 4, D: int = 3, seed: int = 0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)

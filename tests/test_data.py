@@ -10,6 +10,8 @@ import torch
 
 from data import CharTokenizer, encode_corpus, eval_windows, get_batch, load_corpus, load_source, write_atomic
 
+pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
+
 
 def test_tokenizer_round_trip_and_sorted_vocabulary():
     text = "hello, world!\nÄß"

@@ -69,3 +69,15 @@ def test_a_failed_evaluation_puts_the_model_back_in_training_mode(evaluate):
         else:
             exact_loss(model, data, 8, 2, "cpu")
     assert model.training
+
+
+@pytest.mark.parametrize("extra", range(10))
+def test_the_exact_val_loss_scores_every_target_for_every_split_length_modulo_block_size(extra):
+    """2 full windows of block_size 10 and `extra` targets more: extra = 1 leaves a last window of a
+    single target, extra = 0 none at all. Each length is checked against a by-hand cross-entropy."""
+    import causality as C
+
+    model = C.leak_test_model("manual")
+    corpus = np.random.default_rng(extra).integers(0, model.config.vocab_size, 2 * 10 + extra + 1)
+    check = C.check_exact_loss_is_next_token_cross_entropy(model, corpus.astype(np.uint16))
+    C.require(check)

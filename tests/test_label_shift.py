@@ -16,6 +16,8 @@ from model import GPT
 from mutants import batcher, mask_leaks_one_step, substitute
 from training import TrainConfig, parse_args
 
+pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -97,8 +99,8 @@ def random_corpus(tmp_path_factory):
 def _train_on_random_tokens(path, tmp_path) -> dict:
     cfg = TrainConfig(dataset=str(path), cache_dir=str(tmp_path / "cache"), out_dir=str(tmp_path / "out"),
                       device="cpu", n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0, batch_size=16,
-                      max_iters=200, learning_rate=1e-2, min_lr=1e-3, warmup_iters=10, lr_decay_iters=200,
-                      eval_interval=200, eval_iters=40, tensorboard=False, exact_val=True)
+                      max_iters=80, learning_rate=1e-2, min_lr=1e-3, warmup_iters=10, lr_decay_iters=80,
+                      eval_interval=80, eval_iters=20, tensorboard=False, exact_val=True)
     return train.train(cfg, verbose=False)
 
 

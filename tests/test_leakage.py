@@ -14,6 +14,8 @@ import pytest
 import causality as C
 from model import GPTConfig
 
+pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
+
 BACKENDS = ["manual", "sdpa"]
 
 

@@ -8,6 +8,8 @@ import pytest
 import causality as C
 from mutants import MUTANTS, substitute
 
+pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
+
 
 def test_real_code_passes_every_check():
     C.require(*C.all_checks())

@@ -97,3 +97,51 @@ def test_the_last_training_step_is_logged_whatever_the_interval(tmp_path, monkey
     monkeypatch.setattr(RunLog, "scalars", scalars)
     train.train(tiny_config(tmp_path, max_iters=5, log_interval=3, exact_val=False), verbose=False)
     assert logged == [0, 3, 4]
+
+
+def scheduled_lr(step: int, lr: float, min_lr: float, warmup: int, decay: int, schedule: str = "cosine",
+                 cooldown: float = 0.3) -> float:
+    """The README's schedule, written out again: linear warmup from lr / (warmup + 1), then cosine (or
+    wsd: flat, then a linear cooldown over the last cooldown fraction) down to min_lr at `decay`."""
+    import math
+
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    if step >= decay:
+        return min_lr
+    if schedule == "wsd":
+        start = max(warmup, decay * (1 - cooldown))
+        return lr if step < start else lr + (step - start) / max(1.0, decay - start) * (min_lr - lr)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, decay - warmup))) * (lr - min_lr)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(warmup_iters=4, lr_decay_iters=4),  # the warmup ends where the decay ends
+    dict(warmup_iters=0, lr_decay_iters=6),  # no warmup
+    dict(warmup_iters=2, lr_decay_iters=5),  # a flat tail at min_lr after the decay
+    dict(warmup_iters=2, lr_decay_iters=8, lr_schedule="wsd", cooldown_frac=1.0),
+    dict(warmup_iters=2, lr_decay_iters=8, lr_schedule="wsd", cooldown_frac=0.0),
+    dict(warmup_iters=2, lr_decay_iters=8, optimizer="muon", muon_lr=0.05),
+])
+def test_the_loop_applies_the_documented_learning_rate_at_every_step(tmp_path, monkeypatch, fields):
+    """The learning rate each param group holds when the optimizer steps, step by step (not lr_at's
+    return value): every group follows the schedule, scaled from its own peak (Muon's muon_lr)."""
+    applied: list[list[float]] = []
+    real = train.configure_optimizer
+
+    def configure(model, cfg):
+        opt = real(model, cfg)
+        real_step = opt.step
+        opt.step = lambda *a, **k: applied.append([g["lr"] for g in opt.param_groups]) or real_step(*a, **k)
+        return opt
+
+    monkeypatch.setattr(train, "configure_optimizer", configure)
+    cfg = tiny_config(tmp_path, max_iters=8, learning_rate=0.01, min_lr=0.001, exact_val=False, tensorboard=False,
+                      eval_interval=100, **fields)
+    train.train(cfg, verbose=False)
+    assert len(applied) == cfg.max_iters
+    for step, lrs in enumerate(applied):
+        want = scheduled_lr(step, 0.01, 0.001, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule,
+                            cfg.cooldown_frac)
+        peaks = [cfg.muon_lr] + [cfg.learning_rate] * (len(lrs) - 1) if cfg.optimizer == "muon" else [0.01] * len(lrs)
+        assert lrs == pytest.approx([want * peak / 0.01 for peak in peaks], rel=1e-12), f"step {step}"

@@ -1,0 +1,92 @@
+"""An independent float64 reference of the documented GPT: a plain function over a state dict.
+
+Written from the seeds' formulas and the README, sharing no code with model/: token (+ learned
+position) embeddings; per block x + attn(LN(x)), then x + MLP(LN(x)); a final LN and the LM head tied
+to the token embedding. Attention: qkv rows are [q | k | v], each C wide, head h owns channels
+h*D .. (h+1)*D of each; optional RMS normalisation of q and k per head (no gain); optional rotary
+positions, pair (2i, 2i+1) rotated by p * 10000^(-2i/D); scores q.k / sqrt(D), -inf above the
+diagonal, softmax over keys, weights @ v, heads merged in order, then the output projection. MLP:
+C -> 4C, exact GELU (erf), -> C. LayerNorm: biased variance, eps 1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    y = (x - mean) / torch.sqrt(var + 1e-5) * weight
+    return y if bias is None else y + bias
+
+
+def _linear(x: Tensor, sd: dict[str, Tensor], name: str) -> Tensor:
+    y = x @ sd[f"{name}.weight"].T
+    return y + sd[f"{name}.bias"] if f"{name}.bias" in sd else y
+
+
+def _rotate(x: Tensor, start: int) -> Tensor:
+    """x (B, H, T, D): pair (2i, 2i+1) at position p = start + t turned by p * 10000^(-2i/D)."""
+    T, D = x.shape[-2], x.shape[-1]
+    pos = torch.arange(start, start + T, dtype=torch.float64)[:, None]  # (T, 1)
+    angle = pos * 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # (T, D/2)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
+
+
+def _attention(x: Tensor, sd: dict[str, Tensor], p: str, cfg: dict) -> Tensor:
+    B, T, C = x.shape
+    H = cfg["n_head"]
+    D = C // H
+    qkv = _linear(x, sd, f"{p}qkv")  # (B, T, 3C)
+    q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T, H, D).transpose(1, 2) for i in range(3))
+    if cfg["qk_norm"]:
+        eps = torch.finfo(torch.float64).eps
+        q, k = (t / torch.sqrt((t * t).mean(-1, keepdim=True) + eps) for t in (q, k))
+    if cfg["pos_emb"] == "rope":
+        q, k = _rotate(q, 0), _rotate(k, 0)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, T, T)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    y = (weights @ v).transpose(1, 2).reshape(B, T, C)
+    return _linear(y, sd, f"{p}proj")
+
+
+def reference_forward(sd: dict[str, Tensor], cfg: dict, idx: Tensor) -> dict[str, Tensor]:
+    """The documented GPT on idx (B, T), every sub-layer's output, in float64.
+
+    Args:
+        sd: a GPT state dict (tensors are cast to float64 here).
+        cfg: its GPTConfig as a dict (n_head, pos_emb, qk_norm, ...).
+        idx: (B, T) token ids.
+    Returns:
+        name -> tensor, in forward order: "embedding" (B, T, C); per layer l "layer l attention" and
+        "layer l MLP", the (B, T, C) outputs of the two sub-layers before they join the residual;
+        "logits" (B, T, V).
+    """
+    sd = {k: v.detach().double().cpu() for k, v in sd.items()}
+    T = idx.size(1)
+    x = sd["tok_emb.weight"][idx.cpu()]
+    if cfg["pos_emb"] == "learned":
+        x = x + sd["pos_emb.weight"][:T]
+    out = {"embedding": x}
+    for layer in range(cfg["n_layer"]):
+        p = f"blocks.{layer}."
+        a = _attention(_layer_norm(x, sd[f"{p}ln_1.weight"], sd.get(f"{p}ln_1.bias")), sd, f"{p}attn.", cfg)
+        x = x + a
+        h = _layer_norm(x, sd[f"{p}ln_2.weight"], sd.get(f"{p}ln_2.bias"))
+        u = _linear(h, sd, f"{p}mlp.fc")
+        m = _linear(0.5 * u * (1 + torch.erf(u / math.sqrt(2))), sd, f"{p}mlp.proj")
+        x = x + m
+        out[f"layer {layer} attention"], out[f"layer {layer} MLP"] = a, m
+    x = _layer_norm(x, sd["ln_f.weight"], sd.get("ln_f.bias"))
+    out["logits"] = x @ sd["tok_emb.weight"].T
+    return out
