@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         if not any(a.split("=")[0] == "--out_dir" for a in rest):
             rest = rest + [f"--out_dir={tmp}"]
         try:
-            cfg, _ = parse_args(rest + ["--tensorboard=false"])
+            cfg = parse_args(rest + ["--tensorboard=false"])
             summary = train.train(cfg, rest, verbose=False)
         except train.RUN_ERRORS as e:  # reported as train.py reports them
             print(f"error: {e}", file=sys.stderr)
             return 1
     result = {
-        "config": {k: v for k, v in cfg.to_dict().items() if k not in ("dataset", "cache_dir", "out_dir")},
+        "config": {k: v for k, v in cfg.to_dict().items() if k not in ("dataset", "out_dir")},
         "device": summary["device"],
         "dtype": summary["dtype"],
         "steps": summary["steps_this_run"],

@@ -9,11 +9,8 @@ compare the ratios, not the absolute numbers, with another machine's.
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,10 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data import CharTokenizer  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 from model.attention import causal_mask  # noqa: E402
-from training.muon import orthogonalize  # noqa: E402
-from training.visualize import render_attention  # noqa: E402
+from training.optim import orthogonalize  # noqa: E402
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5, number: int = 1) -> float:
@@ -46,105 +41,33 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, number: int = 1) 
 def causal_mask_cost() -> dict:
     """model/gpt.py: the mask is rebuilt every forward (~10 us on a CPU, 0.04% of a laptop step)."""
     s = median_seconds(lambda: causal_mask(64, 64), repeats=7, number=2000)
-    return {"comment": "model/gpt.py hidden(): causal_mask(64, 64) per forward", "microseconds": s * 1e6,
+    return {"comment": "model/gpt.py forward(): causal_mask(64, 64) per forward", "microseconds": s * 1e6,
             "share_of_25.7_ms_laptop_step": s / 25.7e-3}
 
 
 def tokenizer_speed() -> dict:
-    """data/tokenizer.py: vectorised encode_array vs a Python loop over a 1 MB text."""
+    """data/corpus.py: vectorised encode_array vs a Python loop over a 1 MB text."""
     rng = np.random.default_rng(0)
     alphabet = [chr(c) for c in range(32, 97)]  # 65 symbols, like Tiny Shakespeare
     text = "".join(rng.choice(alphabet, size=1_000_000))
-    tok = CharTokenizer.from_text(text)
+    tok = CharTokenizer(sorted(set(text)))
     vec = median_seconds(lambda: tok.encode_array(text), repeats=3)
     loop = median_seconds(lambda: np.array([tok.stoi[c] for c in text], dtype=np.uint16), repeats=3)
-    return {"comment": "data/tokenizer.py encode_array vs a Python loop, 1 MB", "vectorised_s": vec,
+    return {"comment": "data/corpus.py encode_array vs a Python loop, 1 MB", "vectorised_s": vec,
             "loop_s": loop, "speedup": loop / vec}
 
 
 def newton_schulz_dtype() -> dict:
-    """training/muon.py: orthogonalize in bfloat16 vs float32, on the laptop model's matrices."""
+    """training/optim.py: orthogonalize in bfloat16 vs float32, on the laptop model's matrices (Muon picks bf16
+    only where it is faster)."""
     g = torch.Generator().manual_seed(0)
     square = torch.randn(16, 128, 128, generator=g)  # 4 layers x (q, k, v, proj) as 128 x 128 blocks
     wide = torch.randn(8, 512, 128, generator=g)  # 4 layers x (fc, proj^T)
-    out = {"comment": "training/muon.py orthogonalize: bfloat16 vs float32"}
+    out = {"comment": "training/optim.py orthogonalize: bfloat16 vs float32"}
     for dtype in (torch.bfloat16, torch.float32):
         out[f"{str(dtype).removeprefix('torch.')}_ms"] = 1e3 * median_seconds(
             lambda d=dtype: (orthogonalize(square, dtype=d), orthogonalize(wide, dtype=d)), repeats=7, number=5)
     out["speedup_bf16"] = out["float32_ms"] / out["bfloat16_ms"]
-    return out
-
-
-def tensorboard_import() -> dict:
-    """training/monitor.py: importing SummaryWriter (after torch) in a fresh interpreter."""
-    code = ("import time, torch; t = time.perf_counter(); from torch.utils.tensorboard import SummaryWriter; "
-            "print(time.perf_counter() - t)")
-    runs = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 check=True).stdout) for _ in range(3)]
-    return {"comment": "training/monitor.py lazy SummaryWriter import", "seconds": statistics.median(runs)}
-
-
-def tensorboard_writes(tmp: Path) -> dict:
-    """training/monitor.py: 4 scalars as one event vs add_scalar x 4, and the PNG compression level."""
-    from training.monitor import RunLog
-
-    log = RunLog(tmp, total=1, initial=0, tensorboard=True)  # the project's own writer: one event
-    values = {"train/loss": 1.0, "lr": 1e-3, "tokens_per_second": 1e4, "grad_norm": 0.5}
-    step = [0]
-
-    def one_event():
-        step[0] += 1
-        log.scalars(step[0], values)
-
-    def four_events():
-        step[0] += 1
-        for k, v in values.items():
-            log.writer.add_scalar(k, v, step[0])
-
-    one = median_seconds(one_event, repeats=5, number=200)
-    four = median_seconds(four_events, repeats=5, number=200)
-    log.close()
-    # one attention image as the laptop recipe writes it: 4 heads of a 32-character prompt
-    maps = [torch.softmax(torch.randn(4, 32, 32), -1)]
-    image = render_attention(maps, list("abcdefghijklmnopqrstuvwxyzABCDEF"), [0])
-    from PIL import Image
-
-    def png(level: int) -> None:
-        Image.fromarray(image).save(io.BytesIO(), format="PNG", compress_level=level)
-
-    return {"comment": "training/monitor.py scalars() and image()",
-            "one_event_us": one * 1e6, "add_scalar_x4_us": four * 1e6, "ratio": four / one,
-            "image_shape": list(image.shape), "float32_copy_mb": image.size * 4 / 2**20,
-            "png_level1_ms": 1e3 * median_seconds(lambda: png(1), repeats=5, number=5),
-            "png_level6_ms": 1e3 * median_seconds(lambda: png(6), repeats=5, number=5)}
-
-
-def sample_threads() -> dict:
-    """training/monitor.py: the TensorBoard sample (63 tokens, laptop model) on 1 thread vs all, on
-    an idle machine and on one where every core also runs a busy loop (another job, a CI neighbour)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)).eval()
-    idx = torch.zeros(1, 1, dtype=torch.long)
-    threads = torch.get_num_threads()
-    out = {"comment": "training/monitor.py snapshot(): the sample on one thread"}
-    for load in ("idle", "busy"):
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(os.cpu_count() or 1)] if load == "busy" else []
-        try:
-            for n in (threads, 1):
-                torch.set_num_threads(n)
-                runs = []
-                for _ in range(7):
-                    t0 = time.perf_counter()
-                    list(model.stream(idx, 63))
-                    runs.append(time.perf_counter() - t0)
-                out[f"{load}_threads_{n}_median_s"] = statistics.median(runs)
-                out[f"{load}_threads_{n}_max_s"] = max(runs)
-        finally:
-            for hog in hogs:
-                hog.kill()
-                hog.wait()
-    torch.set_num_threads(threads)
     return out
 
 
@@ -180,12 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                   "entries": [causal_mask_cost(), tokenizer_speed(), newton_schulz_dtype(), tensorboard_import(),
-                               tensorboard_writes(Path(tmp)), sample_threads(), attention_variants()]}
+    results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "entries": [causal_mask_cost(), tokenizer_speed(), newton_schulz_dtype(), attention_variants()]}
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:

@@ -79,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("ckpt", type=Path, help="a nanoGPT out_dir/ckpt.pt")
     p.add_argument("--dataset", required=True, help="the text nanoGPT was trained on (input.txt)")
-    p.add_argument("--cache_dir", default="data_cache", help="where the encoded corpus is cached")
     p.add_argument("--meta", type=Path, default=None,
                    help="nanoGPT's data/<dataset>/meta.pkl: check its characters are ours, id for id")
     args = p.parse_args(argv)
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     margs = ckpt["model_args"]
     if margs.get("bias"):
         raise SystemExit("error: only nanoGPT models with bias=False are converted")
-    corpus = load_corpus(args.dataset, args.cache_dir)
+    corpus = load_corpus(args.dataset)
     if corpus.tokenizer.vocab_size != margs["vocab_size"]:
         raise SystemExit(f"error: the dataset has {corpus.tokenizer.vocab_size} symbols, the checkpoint "
                          f"{margs['vocab_size']}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training import discard_stdout  # noqa: E402
+import os  # noqa: E402
 
 
 def table(rows: list[dict], baseline: str | None = None) -> str:
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     try:
         print(table(rows, args.baseline))
     except BrokenPipeError:  # `summarize.py ... | head`: the reader went away
-        discard_stdout()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     return 0
 

@@ -69,8 +69,7 @@ def run_nanogpt(path: Path, tmp: Path, extra: tuple[str, ...] = ()) -> dict:
 def run_ours(config: str, extra: list[str], dataset: str, tmp: Path) -> dict:
     """One run of train.py on config; the figures from its summary.json."""
     out = tmp / "ours_out"
-    cmd = [sys.executable, "train.py", config, f"--dataset={dataset}", f"--out_dir={out}",
-           f"--cache_dir={tmp / 'cache'}", *extra]  # as configured: the laptop recipe logs every step
+    cmd = [sys.executable, "train.py", config, f"--dataset={dataset}", f"--out_dir={out}", *extra]  # logs as configured
     wall, rss, rc = timed(cmd, ROOT, tmp / "ours.log")
     if rc != 0:
         raise RuntimeError(f"ours failed:\n{(tmp / 'ours.log').read_text()[-2000:]}")

@@ -1,20 +1,16 @@
-"""Text -> tokens -> batches: sources, the character tokenizer, the cached corpus and batching."""
+"""Text -> tokens -> batches: where the text comes from (text.py) and how it becomes batches (corpus.py)."""
 
-from .corpus import Corpus, check_split_sizes, encode_corpus, eval_windows, get_batch, inputs_and_targets, load_corpus
-from .files import atomic_file, write_atomic
-from .sources import load_source
-from .tokenizer import CharTokenizer
+from .corpus import (
+           CharTokenizer,
+           Corpus,
+           check_split_sizes,
+           encode_corpus,
+           eval_windows,
+           get_batch,
+           inputs_and_targets,
+           load_corpus,
+)
+from .text import decode_utf8, load_text
 
-__all__ = [
-    "atomic_file",
-    "CharTokenizer",
-    "Corpus",
-    "check_split_sizes",
-    "encode_corpus",
-    "eval_windows",
-    "get_batch",
-    "inputs_and_targets",
-    "load_corpus",
-    "load_source",
-    "write_atomic",
-]
+__all__ = ["CharTokenizer", "Corpus", "check_split_sizes", "decode_utf8", "encode_corpus", "eval_windows",
+           "get_batch", "inputs_and_targets", "load_corpus", "load_text"]

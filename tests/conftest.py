@@ -1,4 +1,4 @@
-"""Shared fixtures: small corpora written to temp dirs (tests never download or read ../shared)."""
+"""Shared fixtures (helpers are in tests/tiny.py)."""
 
 from __future__ import annotations
 
@@ -7,35 +7,18 @@ import sys
 import pytest
 import torch
 
-# Tests are about exactness, not speed: one thread keeps float results reproducible and avoids
-# oversubscribing the 2-core CI machine when pytest runs subprocesses.
+# Tests are about exactness, not speed: one thread keeps float results reproducible and leaves the other
+# core to the subprocesses some tests start.
 torch.set_num_threads(1)
-
-PANGRAMS = (
-    "The quick brown fox jumps over the lazy dog.\n"
-    "Pack my box with five dozen liquor jugs!\n"
-    "How vexingly quick daft zebras jump; sphinx of black quartz, judge my vow?\n"
-)
 
 
 @pytest.fixture(autouse=True)
 def fresh_compile_caches():
-    """Forget what torch.compile traced once a test ends. Its caches are per process and keyed on the
-    code, so a later test compiling GPT.forward at another batch size would otherwise get a
-    dynamic-shape recompile instead of the fresh compile it means to test."""
+    """Forget what torch.compile traced once a test ends (its caches are per process)."""
     yield
-    if "torch._dynamo" in sys.modules:  # never imported by tests that do not compile: no cost there
+    if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
 
 
-@pytest.fixture
-def corpus_file(tmp_path):
-    """A 20 KB UTF-8 text file: enough for a debug model's train and val splits."""
-    path = tmp_path / "corpus.txt"
-    path.write_text(PANGRAMS * 120, encoding="utf-8")
-    return path
-
-
 def pytest_addoption(parser):
-    parser.addoption("--ckpt", default=None,
-                     help="run tests/test_leakage.py's checkpoint checks on this trained checkpoint")
+    parser.addoption("--ckpt", default=None, help="also run the causality checks on this trained checkpoint")

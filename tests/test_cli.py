@@ -1,73 +1,280 @@
-"""The command lines end to end: train a debug model in a temp dir, then sample from it."""
+"""train.py and sample.py as a user meets them: --help, the errors (one line that says the way out, exit 1,
+nothing written), the recipe picked without a config, the duration estimate, and what sample.py prints."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
 import subprocess
 import sys
+import time
+import tomllib
+import typing
 from pathlib import Path
 
 import pytest
+import torch
+from PIL import Image
 
-ROOT = Path(__file__).resolve().parent.parent
+import sample
+import train
+from tiny import ROOT, TEXT, tiny_config
+from training import CKPT_NAME, TrainConfig
+
+CPU_FAST = ROOT / "configs" / "shakespeare_char_cpu_fast.toml"
+DASHES = "\n" + "-" * 40 + "\n"
 
 
-def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+def run_train(capsys, argv: list[str]) -> tuple[int, str, str]:
+    code = train.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_sample(capsys, *argv: str) -> tuple[int, str, str]:
+    code = sample.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def argv_for(cfg: TrainConfig, config: Path | None = None, skip: tuple[str, ...] = (), **changes) -> list[str]:
+    """cfg (with changes, minus skip) as train.py arguments, after the config file if one is given."""
+    fields = {k: v for k, v in {**cfg.to_dict(), **changes}.items() if k not in skip}
+    return ([str(config)] if config else []) + [f"--{k}={v}" for k, v in fields.items()]
+
+
+def assert_one_error_line(code: int, err: str, *fragments: str) -> None:
+    assert code == 1
+    assert err.startswith("error: ") and err.count("\n") == 1 and err.endswith("\n"), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One debug training run shared by the tests below."""
-    tmp = tmp_path_factory.mktemp("run")
-    corpus = tmp / "corpus.txt"
-    corpus.write_text("To be, or not to be, that is the question.\n" * 400, encoding="utf-8")
-    out = tmp / "out"
-    proc = run("train.py", "configs/debug.toml", f"--dataset={corpus}", f"--out_dir={out}",
-               f"--cache_dir={tmp / 'cache'}", "--max_iters=30", "--eval_interval=10")
-    assert proc.returncode == 0, proc.stderr
-    return out, proc
+def runs(tmp_path_factory):
+    """Two trained runs under out/: a_new (the newest) and b_old (an hour older, but last by name)."""
+    tmp = tmp_path_factory.mktemp("runs")
+    ckpts = {}
+    for name, seed, age in (("b_old", 2, 3600), ("a_new", 1, 0)):
+        cfg = tiny_config(tmp, out_dir=str(tmp / "out" / name), seed=seed, max_iters=4, eval_interval=2,
+                          always_save_checkpoint=True, tensorboard=False, exact_val=False)
+        train.train(cfg, verbose=False)
+        ckpts[name] = tmp / "out" / name / CKPT_NAME
+        os.utime(ckpts[name], (time.time() - age,) * 2)
+    return tmp, ckpts
 
 
-def test_train_writes_checkpoint_summary_config_and_events(trained):
-    out, proc = trained
-    summary = json.loads((out / "summary.json").read_text())
-    for key in ("best_val_loss", "final_val_loss", "steps", "train_seconds", "tokens_per_second", "params"):
-        assert key in summary
-    assert summary["steps"] == 30 and summary["params"] > 0
-    assert 0 < summary["final_val_loss"] < summary["best_val_loss"] + 1
-    assert (out / "ckpt.pt").is_file()
-    config = json.loads((out / "config.json").read_text())
-    assert config["config"]["max_iters"] == 30 and "torch" in config["run"]
-    assert any(p.name.startswith("events.out.tfevents") for p in out.iterdir())
-    assert "exact val loss" in proc.stdout and "step 30: train loss" in proc.stdout
+# --- --help ------------------------------------------------------------------------------------------------------
+
+def test_train_help_lists_every_config_field_with_its_type_and_default(capsys):
+    code, out, _ = run_train(capsys, ["--help"])
+    assert code == 0
+    fields, hints = dataclasses.fields(TrainConfig), typing.get_type_hints(TrainConfig)
+    lines = [line for line in out.splitlines() if line.startswith("  --")]
+    assert len(lines) == len(fields) > 40  # one line per field, none stale
+    for f in fields:
+        line = next(line for line in lines if line.startswith(f"  --{f.name}="))
+        for kind in f.metadata["choices"] or (hints[f.name].__name__,):
+            assert kind in line, (f.name, line)
+        assert f"(default: {f.default!r})" in line, (f.name, line)
 
 
-def test_sample_continues_the_prompt(trained):
-    out, _ = trained
-    proc = run("sample.py", f"--out_dir={out}", "--prompt=To be", "--max_new_tokens=40", "--device=cpu")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("To be")
-    assert len(proc.stdout.rstrip("\n")) >= len("To be") + 30
-    assert "tokens/s" in proc.stderr
+def test_sample_help_lists_every_option_with_its_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_:
+        sample.main(["--help"])
+    assert exit_.value.code == 0
+    entries = re.split(r"\n(?=  -)", capsys.readouterr().out.split("options:\n", 1)[1])  # one per option
+    defaults = vars(sample.build_parser().parse_args([]))
+    assert len(entries) == len(defaults) + 1  # and -h
+    for dest, default in defaults.items():
+        entry = " ".join(next(e for e in entries if e.startswith(f"  --{dest}")).split())
+        assert entry.endswith(f"(default: {default})"), entry
 
 
-def test_sample_is_reproducible_with_a_seed(trained):
-    out, _ = trained
-    a = run("sample.py", f"--out_dir={out}", "--max_new_tokens=30", "--seed=7", "--device=cpu")
-    b = run("sample.py", f"--out_dir={out}", "--max_new_tokens=30", "--seed=7", "--device=cpu")
-    assert a.stdout == b.stdout
+# --- errors: one line that says the way out, exit 1, nothing written ------------------------------------------------
+
+def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
+    """The arguments of one bad command line and what its error must say."""
+    cfg = tiny_config(tmp, tensorboard=False, max_iters=1, exact_val=False)
+    toml = tmp / "bad.toml"
+    if case == "unknown key":
+        return argv_for(cfg, learnign_rate=0.1), ["unknown config key 'learnign_rate'", "did you mean learning_rate?"]
+    if case == "unknown key in toml":
+        toml.write_text("learnign_rate = 0.1\n")
+        return argv_for(cfg, toml), [f"'learnign_rate' in {toml}", "did you mean learning_rate?"]
+    if case == "ill-typed value":
+        return argv_for(cfg, n_layer="two"), ["n_layer", "'two' is not a valid int"]
+    if case == "ill-typed value in toml":
+        toml.write_text('n_layer = "two"\n')
+        return argv_for(cfg, toml, skip=("n_layer",)), ["n_layer must be int, got 'two'"]
+    if case == "config is a folder":
+        return argv_for(cfg, tmp), [f"config file {tmp}: cannot read it", "give a .toml file"]
+    if case == "out_dir is a file":
+        (tmp / "notes.txt").write_text("keep me")
+        return argv_for(cfg, out_dir=tmp / "notes.txt"), ["cannot create it as a directory", "give another --out_dir"]
+    if case == "non-UTF-8 corpus":
+        (tmp / "latin1.txt").write_bytes(TEXT.encode() * 5 + "café".encode("latin1"))
+        offset = len(TEXT.encode()) * 5 + 3
+        return argv_for(cfg, dataset=tmp / "latin1.txt"), [f"invalid byte 0xe9 at byte offset {offset}",
+                                                           f"iconv -f latin1 -t utf-8 {tmp / 'latin1.txt'}"]
+    (tmp / "short.txt").write_text("abcdefghij" * 10)  # val: the last 10 tokens, one 9-token window
+    return argv_for(cfg, dataset=tmp / "short.txt"), ["val split", "block_size=16 needs at least 17",
+                                                      "--block_size=9 or less"]
 
 
-def test_sample_rejects_prompt_characters_outside_the_vocabulary(trained):
-    out, _ = trained
-    proc = run("sample.py", f"--out_dir={out}", "--prompt=Zulu", "--device=cpu")
-    assert proc.returncode == 1
-    assert "'Z'" in proc.stderr and "'l'" in proc.stderr and "'u'" not in proc.stderr
+@pytest.mark.parametrize("case", ["unknown key", "unknown key in toml", "ill-typed value", "ill-typed value in toml",
+                                  "config is a folder", "out_dir is a file", "non-UTF-8 corpus", "split too short"])
+def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, tmp_path, capsys):
+    argv, fragments = bad_train_args(case, tmp_path)
+    assert_one_error_line(*run_train(capsys, argv)[::2], *fragments)
+    if case == "out_dir is a file":
+        assert (tmp_path / "notes.txt").read_text() == "keep me"
+    else:
+        assert not (tmp_path / "out").exists()
 
 
-def test_train_help_and_bad_key():
-    proc = run("train.py", "--help")
-    assert proc.returncode == 0 and "--learning_rate=float" in proc.stdout
-    proc = run("train.py", "--n_layers=2")
-    assert proc.returncode == 1 and "unknown config key 'n_layers'" in proc.stderr
+def test_the_block_size_a_too_short_split_suggests_is_the_largest_that_fits(tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("abcdefghij" * 10)
+    cfg = tiny_config(tmp_path, dataset=str(tmp_path / "short.txt"), tensorboard=False, max_iters=1, batch_size=1)
+    assert_one_error_line(*run_train(capsys, argv_for(cfg, block_size=10))[::2], "--block_size=9 or less")
+    assert run_train(capsys, argv_for(cfg, block_size=9))[0] == 0
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--temperature=-1"], ["--temperature must be a finite number >= 0"]),
+    (["--top_p=0"], ["--top_p must be in (0, 1]"]),
+    (["--num_samples=0"], ["--num_samples must be >= 1"]),
+    (["--prompt=a", "--prompt_file=prompt.txt"], ["--prompt or --prompt_file, not both"]),
+    (["--prompt=RZ"], ["characters not in the vocabulary: 'Z'"]),  # R is in it, so only Z is named
+    (["--prompt="], ["the prompt is empty"]),
+])
+def test_a_bad_sample_option_is_one_error_line_before_any_text(runs, capsys, argv, fragments):
+    code, out, err = run_sample(capsys, f"--ckpt={runs[1]['a_new']}", "--device=cpu", *argv)
+    assert_one_error_line(code, err, *fragments)
+    assert out == "" and "'R'" not in err
+
+
+def test_sample_given_a_checkpoint_as_out_dir_says_to_use_ckpt(runs, capsys):
+    ckpt = runs[1]["a_new"]
+    assert_one_error_line(*run_sample(capsys, f"--out_dir={ckpt}")[::2], f"give it as --ckpt={ckpt}")
+
+
+@pytest.mark.parametrize("typo, option", [("--top-k=5", "--top_k"), ("--temprature=0", "--temperature")])
+def test_an_unknown_sample_option_suggests_the_closest(capsys, typo, option):
+    with pytest.raises(SystemExit) as exit_:
+        sample.main([typo])
+    assert exit_.value.code == 2 and f"did you mean {option}" in capsys.readouterr().err
+
+
+# --- train.py without a config; the duration estimate ---------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="picks the GPU recipe")
+def test_without_a_config_the_cpu_recipe_trains_into_its_out_dir_and_says_so_first(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text(TEXT * 100)
+    small = dict(dataset="corpus.txt", max_iters=2, eval_interval=1, eval_iters=1, n_layer=1, n_head=2, n_embd=16,
+                 block_size=8, batch_size=2, tensorboard=False, exact_val=False)
+    code, out, _ = run_train(capsys, [f"--{k}={v}" for k, v in small.items()])
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("no config given: training configs/shakespeare_char_cpu_fast.toml, "), lines[0]
+    recipe = tomllib.loads(CPU_FAST.read_text())
+    run_dir = tmp_path / recipe["out_dir"]  # the recipe's out_dir, under the cwd
+    written = json.loads((run_dir / "config.json").read_text())["config"]
+    kept = {k: v for k, v in recipe.items() if k not in small}
+    assert {k: written[k] for k in kept} == kept
+    assert sum(TrainConfig().to_dict()[k] != v for k, v in kept.items()) >= 5  # the recipe is not the defaults
+    assert (run_dir / "summary.json").is_file()
+    first = {start: next(i for i, line in enumerate(lines) if line.startswith(start))
+             for start in ("estimated duration on this machine: ", "step 0: ")}
+    assert first["estimated duration on this machine: "] < first["step 0: "]  # before the loop
+    assert "GPU-sized" not in out  # a run of seconds is not told to switch recipes
+
+
+@pytest.mark.parametrize("device", [["--device=cpu"], ["--device", "cpu"]])  # parse_args takes both forms
+def test_without_a_config_on_a_cuda_machine_device_cpu_picks_the_cpu_recipe(tmp_path, monkeypatch, capsys, device):
+    real = train.resolve_device
+    monkeypatch.setattr(train, "resolve_device", lambda d: torch.device("cuda") if d == "auto" else real(d))
+    cfg = tiny_config(tmp_path, tensorboard=False, max_iters=1, exact_val=False)
+    code, out, _ = run_train(capsys, [*argv_for(cfg, skip=("device",)), *device])
+    assert code == 0 and out.startswith("no config given: training configs/shakespeare_char_cpu_fast.toml, "), out[:99]
+
+
+def test_a_gpu_sized_config_on_a_cpu_shows_its_estimate_and_suggests_the_cpu_recipe(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "estimated_seconds", lambda *args: (5 * 3600.0, 2.5))  # the baby GPT on a CPU
+    cfg = tiny_config(tmp_path, tensorboard=False, max_iters=1, exact_val=False)
+    code, out, _ = run_train(capsys, argv_for(cfg, ROOT / "configs" / "shakespeare_char.toml"))
+    assert code == 0 and not out.startswith("no config given")
+    assert "estimated duration on this machine: 5 h (one forward of a 4x16 batch: 2.50 s)\n" in out
+    suggestion = re.search(r"^this is a GPU-sized run .*: python train.py (\S+)$", out, re.M)
+    assert suggestion and Path(suggestion[1]).resolve() == CPU_FAST  # a path that works from the cwd
+    assert out.index(suggestion[0]) < out.index("step 0: ")
+
+
+# --- what sample.py prints -----------------------------------------------------------------------------------------
+
+def test_sample_without_options_continues_the_newest_checkpoint_under_out(runs, monkeypatch, capsys):
+    tmp, ckpts = runs
+    monkeypatch.chdir(tmp)
+    texts = {name: run_sample(capsys, f"--ckpt={path}", "--max_new_tokens=30")[1] for name, path in ckpts.items()}
+    assert texts["a_new"] != texts["b_old"]  # the two models tell apart which one was sampled
+    code, out, err = run_sample(capsys, "--max_new_tokens=30")
+    assert code == 0 and out == texts["a_new"] and f"sampling from {Path('out', 'a_new', CKPT_NAME)}" in err
+    old_mtime = ckpts["b_old"].stat().st_mtime
+    try:
+        os.utime(ckpts["b_old"], (time.time() + 10,) * 2)  # now b_old is the newest
+        assert run_sample(capsys, "--max_new_tokens=30")[1] == texts["b_old"]
+    finally:
+        os.utime(ckpts["b_old"], (old_mtime,) * 2)
+
+
+def test_the_text_ends_with_its_newline_before_the_speed_line_on_stderr(runs):
+    """Both streams into one pipe, as `python sample.py 2>&1 | less` reads them: stdout block-buffered."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # set here; a user's python buffers
+    proc = subprocess.run([sys.executable, "sample.py", f"--ckpt={runs[1]['a_new']}", "--prompt=ROMEO:",
+                           "--max_new_tokens=30", "--device=cpu"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120,
+                          env={**env, "OMP_NUM_THREADS": "1"})  # 2 threads on a busy 2-core CPU: seconds
+    assert proc.returncode == 0
+    assert re.fullmatch(r"ROMEO:[^\[]{30}\n\[30 tokens in \S+ s, \S+ tokens/s on cpu\]\n", proc.stdout), proc.stdout
+
+
+def test_greedy_ignores_the_seed_and_the_same_seed_gives_the_same_text(runs, capsys):
+    def text(*flags: str) -> str:
+        return run_sample(capsys, f"--ckpt={runs[1]['a_new']}", "--device=cpu", "--max_new_tokens=40", *flags)[1]
+
+    assert text("--temperature=0", "--seed=1") == text("--temperature=0", "--seed=2")
+    assert text("--seed=1") == text("--seed=1")
+    assert text("--seed=1") != text("--seed=2")  # positive control: sampling does depend on the seed
+
+
+def test_num_samples_are_separated_by_a_dashed_line(runs, capsys):
+    code, out, _ = run_sample(capsys, f"--ckpt={runs[1]['a_new']}", "--device=cpu", "--prompt=ROMEO:",
+                              "--max_new_tokens=10", "--num_samples=3")
+    parts = out.removesuffix("\n").split(DASHES)
+    assert code == 0 and out.endswith("\n") and len(parts) == 3
+    assert all(p.startswith("ROMEO:") and len(p) == len("ROMEO:") + 10 for p in parts), parts
+
+
+def test_attention_png_goes_to_out_dir_without_a_value_and_to_the_path_given(runs, tmp_path, capsys):
+    run_dir = runs[1]["a_new"].parent
+    (run_dir / "attention.png").unlink(missing_ok=True)
+    assert run_sample(capsys, f"--out_dir={run_dir}", "--device=cpu", "--prompt=ROMEO:", "--attention_png")[0] == 0
+    given = tmp_path / "pics" / "maps.png"
+    code, out, err = run_sample(capsys, f"--out_dir={run_dir}", "--prompt=ROMEO:", f"--attention_png={given}")
+    assert code == 0 and out == "" and f"wrote {given}" in err
+    for path in (run_dir / "attention.png", given):
+        assert Image.open(path).format == "PNG"
+
+
+def test_a_prompt_longer_than_block_size_is_continued_and_its_last_block_size_characters_drawn(runs, tmp_path, capsys):
+    prompt, ckpt = TEXT[:40], f"--ckpt={runs[1]['a_new']}"  # block_size is 16
+    code, out, _ = run_sample(capsys, ckpt, "--device=cpu", f"--prompt={prompt}", "--max_new_tokens=10")
+    assert code == 0 and out.startswith(prompt) and len(out) == len(prompt) + 10 + 1
+    for name, text in (("long.png", prompt), ("last.png", prompt[-16:])):
+        assert run_sample(capsys, ckpt, f"--prompt={text}", f"--attention_png={tmp_path / name}")[0] == 0
+    assert (tmp_path / "long.png").read_bytes() == (tmp_path / "last.png").read_bytes()

@@ -1,213 +1,260 @@
-"""Tokenizer, text sources, the encoded cache, the 90/10 split and batching."""
+"""data/: the bundled corpus, tokenizer, 90/10 split, batches, eval windows and text sources (files, .txt
+folders, hf: datasets built offline in tmp_path). The label shift itself is causality.check_batch_shift's."""
 
 from __future__ import annotations
 
-import json
+import hashlib
+import os
+import re
+import socket
+import time
+import traceback
 
 import numpy as np
 import pytest
 import torch
 
-from data import CharTokenizer, encode_corpus, eval_windows, get_batch, load_corpus, load_source, write_atomic
+import data.text
+from data import CharTokenizer, Corpus, check_split_sizes, encode_corpus, eval_windows, get_batch, load_corpus
+from data.text import load_text
+from tiny import TEXT
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # of karpathy's input.txt
+CORPUS = (TEXT * 25)[:2000]  # 1,800 / 100 / 100 characters, like the hub's tiny_shakespeare splits
 
-def test_tokenizer_round_trip_and_sorted_vocabulary():
-    text = "hello, world!\nÄß"
-    tok = CharTokenizer.from_text(text)
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_the_bundled_corpus_is_tiny_shakespeare_split_as_nanogpt_splits_it_and_a_tampered_copy_is_refused(
+        tmp_path, monkeypatch):
+    raw = data.text.SHAKESPEARE.read_bytes()
+    assert len(raw) == 1_115_394 and hashlib.sha256(raw).hexdigest() == SHAKESPEARE_SHA256
+    text, _ = load_text("shakespeare_char")
+    assert text.encode("utf-8") == raw
+    corpus = encode_corpus(text, "shakespeare")
+    tok, n = corpus.tokenizer, len(corpus.train)
+    assert tok.vocab_size == 65 and (n, len(corpus.val)) == (1_003_854, 111_540)
+    assert tok.decode(corpus.train[:14]) == "First Citizen:" and tok.decode(corpus.train[-50:]) == text[n - 50:n]
+    assert tok.decode(corpus.val) == text[n:]
+    intact, tampered = tmp_path / "intact.txt", tmp_path / "tampered.txt"
+    intact.write_bytes(raw)
+    tampered.write_bytes(raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])  # one bit, same size
+    monkeypatch.setattr(data.text, "SHAKESPEARE", intact)
+    assert load_text("shakespeare_char")[0].encode() == raw  # the control: the path is not what is refused
+    monkeypatch.setattr(data.text, "SHAKESPEARE", tampered)
+    with pytest.raises(ValueError, match="is not Tiny Shakespeare"):
+        load_text("shakespeare_char")
+
+
+@pytest.mark.parametrize("length, n_train", [(1000, 900), (1009, 908)])
+def test_the_split_is_the_first_90_percent_train_and_the_rest_val_with_no_gap_or_overlap(length, n_train):
+    text = "".join(chr(0x100 + i) for i in range(length))  # every position its own character
+    corpus = encode_corpus(text, "distinct")
+    assert len(corpus.train) == n_train
+    assert np.concatenate([corpus.train, corpus.val]).tolist() == corpus.tokenizer.encode(text)
+    assert corpus.tokenizer.decode(corpus.val) == text[n_train:]
+
+
+def test_the_tokenizer_round_trips_sorts_its_vocabulary_names_unknown_characters_and_encode_array_is_encode():
+    text = TEXT + "Äß€😀\t"  # beyond ASCII and beyond the BMP
+    tok = encode_corpus(text, "t").tokenizer
     assert tok.chars == sorted(set(text))
     assert tok.decode(tok.encode(text)) == text
-    assert list(tok.encode_array(text)) == tok.encode(text)
-    assert CharTokenizer.from_dict(json.loads(json.dumps(tok.to_dict()))) == tok
-
-
-def test_encoding_unknown_characters_names_them():
-    tok = CharTokenizer.from_text("abc")
-    with pytest.raises(ValueError, match=r"'x', 'z'"):
+    ids = tok.encode_array(text)
+    assert ids.dtype == np.uint16 and ids.tolist() == tok.encode(text)
+    assert tok.encode_array("").shape == (0,) and tok.encode("") == []
+    assert CharTokenizer.from_dict(tok.to_dict()) == tok and CharTokenizer("ab") != CharTokenizer("ba")
+    tok = CharTokenizer("abc")
+    with pytest.raises(ValueError, match=r"not in the vocabulary: 'x', 'z'$"):
         tok.encode("abzx")
     with pytest.raises(ValueError, match=r"'q'"):
         tok.encode_array("aq")
 
 
-def test_targets_are_inputs_shifted_by_one():
-    data = np.arange(1000, dtype=np.uint16)  # token i has id i: y must be x + 1 everywhere
-    x, y = get_batch(data, 16, 10, torch.Generator().manual_seed(0))
-    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (16, 10)
-    assert torch.equal(y, x + 1)
-    assert torch.equal(y[:, :-1], x[:, 1:])
+@pytest.mark.parametrize("chars", [[], ["a", "b", "a"], ["a", ""], ["ab"]], ids=["empty", "dup", "blank", "pair"])
+def test_a_vocabulary_that_is_empty_repeats_or_is_not_single_characters_is_refused(chars):
+    with pytest.raises(ValueError, match="CharTokenizer"):
+        CharTokenizer(chars)
+    with pytest.raises(ValueError, match="CharTokenizer"):
+        CharTokenizer.from_dict({"chars": chars})  # what a checkpoint's vocabulary goes through
+    with pytest.raises(ValueError, match="'chars' list"):
+        CharTokenizer.from_dict({"chars": "ab"})
 
 
-def test_tensor_data_batches_like_numpy_data():
-    data = np.arange(50, dtype=np.uint16)
-    a = get_batch(data, 4, 5, torch.Generator().manual_seed(3))
-    b = get_batch(torch.from_numpy(data.astype(np.int64)), 4, 5, torch.Generator().manual_seed(3))
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+def test_65536_distinct_characters_fit_a_token_and_one_more_is_refused():
+    codes = [c for c in range(0x11000) if not 0xD800 <= c <= 0xDFFF]  # no surrogates
+    text = "".join(map(chr, codes[:65536]))
+    corpus = encode_corpus(text, "wide")
+    assert corpus.tokenizer.vocab_size == 65536
+    assert corpus.tokenizer.decode(np.concatenate([corpus.train, corpus.val])) == text
+    with pytest.raises(ValueError, match="65,537 distinct characters"):
+        encode_corpus(text + chr(codes[65536]), "wider")
 
 
-def test_batch_offsets_reach_the_last_window_and_never_run_past_the_end():
-    data = np.arange(12, dtype=np.uint16)  # block 8: valid offsets are 0..3
-    x, y = get_batch(data, 2000, 8, torch.Generator().manual_seed(0))
-    starts = set(x[:, 0].tolist())
-    assert starts == {0, 1, 2, 3}
-    assert y.max().item() == 11  # the last token is a target, nothing beyond it is read
+def test_numpy_and_tensor_data_draw_the_same_windows_reaching_offset_n_minus_t_minus_1_and_no_further():
+    n, T = 12, 8
+    ids = np.arange(n, dtype=np.uint16)
+    x, y = get_batch(ids, 2000, T, gen(0))
+    xt, yt = get_batch(torch.from_numpy(ids.astype(np.int32)), 2000, T, gen(0))  # train.py's tensor
+    assert torch.equal(x, xt) and torch.equal(y, yt)
+    assert not torch.equal(x, get_batch(ids, 2000, T, gen(1))[0])  # the control: the generator decides
+    assert set(x[:, 0].tolist()) == set(range(n - T)) and y.max().item() == n - 1  # offsets 0 .. n - T - 1
 
 
-def test_batch_needs_block_size_plus_one_tokens():
-    with pytest.raises(ValueError, match="at least block_size \\+ 1 = 9"):
-        get_batch(np.arange(8, dtype=np.uint16), 1, 8)
+def test_a_batch_needs_block_size_plus_one_tokens():
+    assert get_batch(np.arange(9, dtype=np.uint16), 3, 8, gen(0))[0][:, 0].tolist() == [0, 0, 0]  # one fits
+    with pytest.raises(ValueError, match=r"has 8 tokens; a batch needs at least block_size \+ 1 = 9"):
+        get_batch(np.arange(8, dtype=np.uint16), 1, 8, gen(0))
 
 
-def test_eval_windows_cover_every_target_once_in_order():
-    windows = eval_windows(np.arange(23), 5)
-    targets = [i for s, n in windows for i in range(s + 1, s + 1 + n)]
-    assert targets == list(range(1, 23))
+def test_eval_windows_cover_every_target_exactly_once_in_order_down_to_a_last_window_of_one():
+    for n in range(6, 17):  # every N - 1 modulo T, twice
+        windows = eval_windows(np.arange(n), 5)
+        assert [t for s, length in windows for t in range(s + 1, s + 1 + length)] == list(range(1, n)), n
+        assert all(0 < length <= 5 for _, length in windows)
+    assert eval_windows(np.arange(12), 5) == [(0, 5), (5, 5), (10, 1)]  # (12 - 1) % 5 == 1
+    assert eval_windows(np.arange(11), 5) == [(0, 5), (5, 5)]
 
 
-def test_split_is_first_90_percent_train():
-    corpus = encode_corpus("abcdefghij" * 10, "test")
-    assert len(corpus.train) == 90 and len(corpus.val) == 10
-    assert corpus.tokenizer.decode(corpus.val) == "abcdefghij"
+def test_a_folder_is_its_txt_files_in_sorted_path_order_without_hidden_ones(tmp_path):
+    folder = tmp_path / ".cache" / "texts"  # only names below the folder count as hidden
+    for name, text in [("b.txt", "second "), ("a.txt", "first "), ("sub/c.txt", "third"), ("notes.md", "no"),
+                       ("only_hidden/.draft.txt", "hidden"), (".ipynb_checkpoints/a-checkpoint.txt", "stale")]:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text, encoding="utf-8")
+    assert load_text(str(folder))[0] == "first second third"
+    with pytest.raises(ValueError, match="contains no .txt files"):
+        load_text(str(folder / "only_hidden"))
 
 
-def test_empty_corpus_is_refused():
-    with pytest.raises(ValueError, match="empty"):
-        encode_corpus("", "nothing")
+def test_a_non_utf8_file_is_named_with_the_byte_offset_and_how_to_convert_it(tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("fine\n", encoding="utf-8")
+    bad = tmp_path / "texts" / "b.txt"
+    bad.write_bytes("café au lait\n".encode("latin-1"))
+    for dataset in (bad, tmp_path / "texts"):
+        with pytest.raises(ValueError, match=rf"{bad} is not UTF-8 text: invalid byte 0xe9 at byte offset 3\. "
+                                             rf"Convert it first, e\.g\. iconv -f latin1 -t utf-8 {bad}"):
+            load_text(str(dataset))
 
 
-def test_encoded_cache_is_reused_and_rebuilt_when_the_file_changes(tmp_path, corpus_file):
-    cache = tmp_path / "cache"
-    first = load_corpus(str(corpus_file), cache)
-    entries = list((cache / "encoded").iterdir())
-    assert len(entries) == 1
-    # a second load reads the cache entry (same arrays) without re-encoding
-    marker = entries[0] / "train.bin"
-    mtime = marker.stat().st_mtime_ns
-    second = load_corpus(str(corpus_file), cache)
-    assert marker.stat().st_mtime_ns == mtime
-    assert np.array_equal(first.train, second.train) and first.tokenizer == second.tokenizer
-    corpus_file.write_text(corpus_file.read_text() + "#", encoding="utf-8")
-    third = load_corpus(str(corpus_file), cache)
-    assert len(list((cache / "encoded").iterdir())) == 2
-    assert "#" in third.tokenizer.chars
+def test_a_utf8_file_is_read_as_it_is_and_an_unknown_dataset_or_an_empty_corpus_is_refused(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT + "Äß\r\n", encoding="utf-8", newline="")
+    assert load_text(str(path)) == (TEXT + "Äß\r\n", str(path))
+    with pytest.raises(ValueError, match="neither 'shakespeare_char', 'hf:NAME', an existing file nor a folder"):
+        load_text(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"corpus .*empty\.txt is empty"):
+        load_corpus(str(tmp_path / "empty.txt"))
 
 
-def test_folder_of_text_files_is_concatenated_in_path_order(tmp_path):
-    folder = tmp_path / "texts"
-    (folder / "sub").mkdir(parents=True)
-    (folder / "b.txt").write_text("second ", encoding="utf-8")
-    (folder / "a.txt").write_text("first ", encoding="utf-8")
-    (folder / "sub" / "c.txt").write_text("third", encoding="utf-8")
-    (folder / "skip.md").write_text("not text", encoding="utf-8")
-    assert load_source(str(folder), tmp_path).text == "first second third"
+@pytest.mark.parametrize("n_train, n_val, split, suggestion", [
+    (40, 5, "val", "--block_size=4 or less"), (3, 40, "train", "--block_size=2 or less"),
+    (40, 1, "val", "a smaller block_size"), (40, 16, "val", "--block_size=15 or less")])
+def test_a_split_too_short_is_named_with_the_largest_block_size_that_fits(n_train, n_val, split, suggestion):
+    corpus = Corpus(np.zeros(n_train, np.uint16), np.zeros(n_val, np.uint16), CharTokenizer("a"), "x")
+    n = min(n_train, n_val)
+    with pytest.raises(ValueError, match=rf"^the {split} split of x has {n} tokens; block_size=16 needs at least "
+                                         rf"17\. .* or {suggestion}$"):
+        check_split_sizes(corpus, 16)
+    check_split_sizes(corpus, n - 1)  # n tokens hold one window of n - 1 inputs and their targets
 
 
-def test_non_utf8_file_names_the_byte_offset(tmp_path):
-    path = tmp_path / "latin1.txt"
-    path.write_bytes(b"caf" + b"\xe9 au lait")
-    with pytest.raises(ValueError, match="byte offset 3"):
-        load_source(str(path), tmp_path)
+@pytest.fixture
+def hf(tmp_path, monkeypatch):
+    """Offline datasets (imported: its flags, not only the environment), a cache of the test's own, sockets
+    that refuse to connect: no test can pass by reaching the Hub."""
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+    def refuse(self, address):
+        raise OSError(f"test tried to connect to {address}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return datasets
 
 
-def test_unknown_dataset_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="neither 'shakespeare_char'"):
-        load_source(str(tmp_path / "missing.txt"), tmp_path)
+@pytest.fixture
+def saved(hf, tmp_path):
+    """A DatasetDict shaped like karpathy/tiny_shakespeare, its splits stored out of order."""
+    pieces = {"test": CORPUS[1900:], "train": CORPUS[:1800], "validation": CORPUS[1800:1900]}
+    hf.DatasetDict({k: hf.Dataset.from_dict({"text": [v]}) for k, v in pieces.items()}).save_to_disk(tmp_path / "ts")
+    return f"hf:{tmp_path / 'ts'}"
 
 
-def test_shakespeare_offline_fails_at_once_and_says_how_to_pass_a_local_copy(tmp_path, monkeypatch):
-    import urllib.request
-
-    def offline(*a, **k):
-        raise urllib.error.URLError("Name or service not known")
-
-    monkeypatch.setattr(urllib.request, "urlopen", offline)
-    with pytest.raises(ConnectionError, match="--dataset=PATH/TO/input.txt"):
-        load_source("shakespeare_char", tmp_path)
+def single_error(e: pytest.ExceptionInfo) -> str:
+    """The message, after checking the traceback shows one error (not "During handling ... another")."""
+    assert len(traceback.format_exception(e.value)) == len(traceback.format_exception(e.value, chain=False))
+    return str(e.value)
 
 
-def test_shakespeare_cache_with_wrong_content_is_refused(tmp_path):
-    target = tmp_path / "tinyshakespeare" / "input.txt"
-    target.parent.mkdir()
-    target.write_text("not shakespeare", encoding="utf-8")
-    with pytest.raises(ValueError, match="is not Tiny Shakespeare"):
-        load_source("shakespeare_char", tmp_path)
+def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(saved):
+    corpus = load_corpus(saved)
+    assert corpus.tokenizer.decode(corpus.train) == CORPUS[:1800]  # the hub's train split
+    assert corpus.tokenizer.decode(corpus.val) == CORPUS[1800:]  # its validation + test, so val is held out
+    assert load_text(f"{saved}:validation")[0] == load_text(saved, split="validation")[0] == CORPUS[1800:1900]
+    assert load_text(saved, split="test")[0] == CORPUS[1900:]
+    with pytest.raises(ValueError, match="names split 'test' but config field split='train'"):
+        load_text(f"{saved}:test", split="train")
 
 
-def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
-    target = tmp_path / "summary.json"
-    write_atomic(target, b"old")
-
-    def full_disk(src, dst):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr("data.files.os.replace", full_disk)
-    with pytest.raises(OSError):
-        write_atomic(target, b"new")
-    assert target.read_bytes() == b"old"
-    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
-    monkeypatch.undo()
-    write_atomic(target, b"new")
-    assert target.read_bytes() == b"new"
+def test_a_data_file_or_a_folder_of_them_loads_train_split_first_and_a_txt_file_keeps_its_line_breaks(hf, tmp_path):
+    rows = hf.Dataset.from_dict({"text": ["alpha\n", "beta\n"]})
+    rows.to_parquet(tmp_path / "one.parquet")
+    assert load_text(f"hf:{tmp_path / 'one.parquet'}")[0] == "alpha\nbeta\n"
+    (tmp_path / "repo" / "data").mkdir(parents=True)
+    hf.Dataset.from_dict({"text": ["held out\n"]}).to_parquet(tmp_path / "repo" / "data" / "test.parquet")
+    rows.to_parquet(tmp_path / "repo" / "data" / "train.parquet")
+    assert load_text(f"hf:{tmp_path / 'repo'}")[0] == "alpha\nbeta\nheld out\n"  # train first
+    (tmp_path / "a.txt").write_text("line one\n\nline two", encoding="utf-8")
+    assert load_text(f"hf:{tmp_path / 'a.txt'}")[0] == "line one\n\nline two"
 
 
-@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
-def test_atomically_written_files_get_the_umask_permissions_not_mkstemps_0600(tmp_path, umask, mode):
-    """ckpt.pt, summary.json and the corpus cache are read by other tools (and users of a shared
-    cache_dir): they get what open() would give, 0666 minus the umask."""
-    import os
-
-    from training import save_checkpoint
-
-    old = os.umask(umask)
-    try:
-        write_atomic(tmp_path / "summary.json", b"{}")
-        save_checkpoint(tmp_path / "ckpt.pt", {"step": 0})
-    finally:
-        os.umask(old)
-    for name in ("summary.json", "ckpt.pt"):
-        assert (tmp_path / name).stat().st_mode & 0o777 == mode, name
+def test_a_folder_of_txt_files_as_hf_reads_the_text_the_plain_folder_loader_reads(tmp_path, hf):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("line one\n\nline two", encoding="utf-8")
+    (tmp_path / "texts" / "b.txt").write_text("last line\n", encoding="utf-8")
+    assert load_text(f"hf:{tmp_path / 'texts'}")[0] == load_text(str(tmp_path / "texts"))[0]  # as plain text
 
 
-def test_replacing_a_file_keeps_its_mode_and_a_refused_chmod_still_writes(tmp_path, monkeypatch):
-    """Like open(): a file the user restricted stays restricted when it is saved again; and where the
-    filesystem refuses chmod, the write still succeeds (at mkstemp's private 0600), leaving no temp."""
-    import os
-
-    target = tmp_path / "ckpt.json"
-    write_atomic(target, b"old")
-    target.chmod(0o600)
-    write_atomic(target, b"new")
-    assert target.stat().st_mode & 0o777 == 0o600 and target.read_bytes() == b"new"
-
-    def refuse(fd, mode):
-        raise PermissionError(1, "Operation not permitted")
-
-    monkeypatch.setattr(os, "fchmod", refuse)
-    write_atomic(tmp_path / "other.json", b"x")
-    assert (tmp_path / "other.json").read_bytes() == b"x"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.json", "other.json"]
+def test_the_text_column_is_text_or_the_only_string_column_or_the_one_named(hf, tmp_path):
+    for name, columns in [("texty", {"title": ["A"], "text": ["body\n"]}),
+                          ("one", {"content": ["only ", None, "strings"], "id": [1, 2, 3]}),
+                          ("two", {"title": ["A", "B"], "body": ["first\n", "second\n"], "n": [1, 2]})]:
+        hf.Dataset.from_dict(columns).save_to_disk(tmp_path / name)
+    assert load_text(f"hf:{tmp_path / 'texty'}")[0] == "body\n"
+    assert load_text(f"hf:{tmp_path / 'one'}")[0] == "only strings"  # a null row adds nothing
+    assert load_text(f"hf:{tmp_path / 'two'}", text_column="body")[0] == "first\nsecond\n"
+    with pytest.raises(ValueError, match=r"set text_column to one of its string columns \['title', 'body'\]"):
+        load_text(f"hf:{tmp_path / 'two'}")
 
 
-def test_a_txt_folder_skips_hidden_copies_and_never_shares_a_key_with_a_file(tmp_path):
-    """.ipynb_checkpoints holds stale copies of a notebook folder's files: not part of the corpus.
-    A file whose bytes spell a folder's hash input must not reuse the folder's encoded cache."""
-    folder = tmp_path / "texts"
-    (folder / ".ipynb_checkpoints").mkdir(parents=True)
-    (folder / "a.txt").write_text("real text\n", encoding="utf-8")
-    (folder / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("stale draft\n", encoding="utf-8")
-    src = load_source(str(folder), tmp_path)
-    assert src.text == "real text\n"
-    forged = tmp_path / "forged.txt"
-    forged.write_bytes(b"a.txt\0real text\n\0")
-    assert load_source(str(forged), tmp_path).key != src.key
+@pytest.mark.parametrize("field, value", [("split", "dev"), ("text_column", "content")])
+def test_an_unknown_split_or_column_is_one_error_naming_it(saved, hf, tmp_path, field, value):
+    hf.Dataset.from_dict({"text": ["a\n"]}).to_parquet(tmp_path / "one.parquet")
+    for dataset in (saved, f"hf:{tmp_path / 'one.parquet'}"):
+        with pytest.raises(ValueError) as e:
+            load_text(dataset, **{field: value})
+        assert re.search(rf"['\"]{value}['\"]", single_error(e)), (dataset, str(e.value))
 
 
-def test_a_txt_folder_reads_a_file_whose_name_is_not_utf8(tmp_path):
-    import os
-
-    folder = tmp_path / "texts"
-    folder.mkdir()
-    (folder / "a.txt").write_text("first\n", encoding="utf-8")
-    with open(os.path.join(os.fsencode(folder), b"b\xff.txt"), "wb") as f:
-        f.write(b"second\n")
-    assert load_source(str(folder), tmp_path).text == "first\nsecond\n"
+def test_an_uncached_hub_id_offline_fails_in_seconds_saying_how_to_pass_a_local_copy(hf, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # hf_text must set it: `datasets` reads it when first imported
+    monkeypatch.setattr(data.text, "hub_reachable", lambda timeout=3.0: False)
+    t0 = time.perf_counter()
+    with pytest.raises(ConnectionError) as e:
+        load_text("hf:nobody-has/this-dataset-gpt-char")
+    assert time.perf_counter() - t0 < 5  # not ~20 s of retries
+    assert "nobody-has/this-dataset-gpt-char" in single_error(e)
+    assert "Pass a local copy instead: a folder written by save_to_disk" in str(e.value)
+    assert os.environ["HF_HUB_OFFLINE"] == "1"

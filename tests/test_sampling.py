@@ -94,3 +94,20 @@ def test_the_table_tells_the_orders_of_the_steps_apart():
     for wrong in (untempered_nucleus, nucleus_of_everything):
         assert any(max(abs(a - b) for a, b in zip(wrong(*c), reference_distribution(*c), strict=True)) > 1e-6
                    for c in cells), wrong.__name__
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=1e-300), dict(top_k=1), dict(top_p=1e-9)],
+                         ids=["greedy", "tiny-temperature", "top_k-1", "tiny-top_p"])
+def test_the_degenerate_settings_all_draw_the_argmax(options):
+    """A tiny temperature would overflow float32 to inf (and the softmax to NaN) without the float64 shift."""
+    drawn = sample_next(ROWS, generator=torch.Generator().manual_seed(1), **options)
+    assert torch.equal(drawn[:, 0], ROWS.argmax(-1))
+
+
+@pytest.mark.parametrize("options, message", [(dict(temperature=-1.0), "temperature must be a finite number"),
+                                              (dict(temperature=math.nan), "temperature must be a finite number"),
+                                              (dict(top_p=0.0), "top_p must be in"),
+                                              (dict(top_k=0), "top_k must be >= 1")])
+def test_impossible_settings_are_refused_naming_them(options, message):
+    with pytest.raises(ValueError, match=message):
+        sample_next(ROWS, **options)

@@ -1,157 +1,160 @@
-"""TensorBoard: a short run's event files, read back with TensorBoard's own reader, hold scalars,
-a text sample per eval, attention images per eval and layer, and the config as an HParams session."""
+"""What TensorBoard shows, read back by its own reader: scalars at their steps, a text sample and attention images
+at every eval, the HParams experiment and session, and a resumed run replacing the points it replays."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
+import math
+import signal
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from tiny_runs import tiny_config
+from PIL import Image
+from tensorboard.backend.event_processing import event_accumulator as ea
+from tensorboard.plugins.hparams import api_pb2, metadata
 
 import train
-from data import CharTokenizer, Corpus, load_corpus
-from model import GPT
-from training import TrainConfig, load_checkpoint, model_from_checkpoint
-from training.config import ATTENTION_PROMPT_CHARS
-from training.monitor import RunLog, resolve_prompts
+from tiny import ROOT, tiny_config
+from training import CKPT_NAME, lr_at, parse_args
+from training.log import ATTENTION_CHARS
 from training.visualize import EMPTY, layout_for
 
-EVAL_STEPS = [0, 3, 6]
+HPARAMS = {"n_layer", "n_embd", "n_head", "block_size", "optimizer", "pos_emb", "learning_rate", "max_iters"}
+METRICS = {"val/loss", "val/loss_exact", "train/loss"}
+RECIPE = parse_args([str(ROOT / "configs" / "shakespeare_char_cpu_fast.toml")])  # the fast CPU recipe
+QUIET = contextlib.redirect_stdout(io.StringIO())  # a verbose run (the only kind that writes events), swallowed
 
 
-def read_events(out_dir):
-    """The run directory as TensorBoard's server reads it (purging included)."""
-    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out_dir), size_guidance={"tensors": 0})  # 0 = keep every event
-    acc.Reload()
-    return acc
+def events(out_dir: str) -> ea.EventAccumulator:  # as TensorBoard reads it, every event kept (not 4 images)
+    return ea.EventAccumulator(out_dir, size_guidance={ea.SCALARS: 0, ea.IMAGES: 0, ea.TENSORS: 0}).Reload()
 
 
-def values(acc, tag):
-    from tensorboard.util import tensor_util
-
-    return [(e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)]
-
-
-def sample_texts(acc):
-    """The text samples as written, the markdown indentation removed."""
-    out = []
-    for step, value in values(acc, "sample/text_summary"):
-        shown = value.item().decode("utf-8")
-        out.append((step, "\n".join(line.removeprefix("    ") for line in shown.split("\n"))))
-    return out
+def steps(acc: ea.EventAccumulator, tag: str) -> list[int]:
+    return [e.step for e in acc.Scalars(tag)]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    cfg = tiny_config(tmp_path_factory.mktemp("tb"), always_save_checkpoint=True, sample_prompt="ROMEO:")
-    summary = train.train(cfg)  # verbose: a silent run writes no events (pytest captures the lines)
-    return cfg, summary, read_events(cfg.out_dir)
+    cfg = tiny_config(tmp_path_factory.mktemp("tb"), max_iters=16, sample_tokens=8,  # finished; evaluated as often,
+                      eval_interval=16 * RECIPE.eval_interval // RECIPE.max_iters)  # for its length, as the recipe
+    with QUIET:
+        train.train(cfg)
+    return cfg, events(cfg.out_dir)
 
 
-def test_event_files_hold_scalars_text_images_and_hparams(run):
-    cfg, _, acc = run
-    assert {"scalars", "text", "images", "hparams"} <= acc.ActivePlugins()
-    scalars = acc.PluginTagToContent("scalars")
-    for tag in ("train/loss", "train/loss_estimate", "val/loss", "val/loss_exact", "lr", "grad_norm",
-                "tokens_per_second"):
-        assert tag in scalars, tag
-    assert [s for s, _ in values(acc, "train/loss")] == list(range(cfg.max_iters))
-    assert [s for s, _ in values(acc, "val/loss")] == EVAL_STEPS
-    assert [s for s, _ in values(acc, "val/loss_exact")] == [cfg.max_iters]
-    assert [s for s, _ in sample_texts(acc)] == EVAL_STEPS
-    assert sorted(acc.PluginTagToContent("images")) == ["attention/layer_0", "attention/layer_1"]
-    assert [s for s, _ in values(acc, "attention/layer_1")] == EVAL_STEPS
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Ctrl-C in step 4, then --resume from the step-3 checkpoint (the stop's save lost): steps 3, 4 logged twice."""
+    cfg = tiny_config(tmp_path_factory.mktemp("resume"), always_save_checkpoint=True, sample_tokens=0)
+    ckpt, calls, get_batch = Path(cfg.out_dir) / CKPT_NAME, [], train.get_batch
+
+    def batch_then_ctrl_c(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 5:  # step 4's batch; ckpt.pt is the step-3 eval's save
+            ckpt.with_name("step3.pt").write_bytes(ckpt.read_bytes())
+            signal.raise_signal(signal.SIGINT)
+        return get_batch(*args, **kwargs)
+
+    previous = signal.signal(signal.SIGINT, lambda *_: None)  # unarmed guard: the run fails, not the session
+    try:
+        with pytest.MonkeyPatch.context() as mp, QUIET:
+            mp.setattr(train, "get_batch", batch_then_ctrl_c)
+            stopped = train.train(cfg)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    before = events(cfg.out_dir)
+    ckpt.with_name("step3.pt").replace(ckpt)
+    first = min(Path(cfg.out_dir).glob("events.out.tfevents.*")).name.split(".")[3]  # its file's creation second
+    time.sleep(max(0.0, int(first) + 1 - time.time()))  # the next file must sort after it (uid 10 sorts before 9)
+    t_resume = time.time()
+    with QUIET:
+        train.train(cfg.replace(resume=True))
+    return cfg, stopped, before, t_resume, events(cfg.out_dir)
 
 
-def test_hparams_session_holds_the_resolved_config(run):
-    from tensorboard.plugins.hparams import metadata
+def test_scalars_are_written_at_every_step_and_every_eval(run):
+    cfg, acc = run
+    every, evals = range(cfg.max_iters), sorted({*range(0, cfg.max_iters, cfg.eval_interval), cfg.max_iters})
+    last = [cfg.max_iters]
+    expected = {"train/loss": every, "lr": every, "grad_norm": every, "tokens_per_second": every, "val/loss": evals,
+                "train/loss_estimate": evals, "val/bpc": evals, "val/loss_exact": last, "val/bpc_exact": last}
+    for tag, want in expected.items():
+        assert steps(acc, tag) == list(want), tag
+    assert all(math.isclose(e.value, lr_at(e.step, cfg), rel_tol=1e-6) for e in acc.Scalars("lr"))  # its own step's
 
-    cfg, _, acc = run
+
+def test_bits_per_character_are_the_loss_over_ln_2(run):
+    cfg, acc = run
+    for loss, bpc in (("val/loss", "val/bpc"), ("val/loss_exact", "val/bpc_exact")):
+        pairs = list(zip(acc.Scalars(loss), acc.Scalars(bpc), strict=True))
+        assert pairs and all(math.isclose(b.value, a.value / math.log(2), rel_tol=1e-6) for a, b in pairs)
+    written = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
+    assert math.isclose(written["final_val_bpc"], written["final_val_loss"] / math.log(2), rel_tol=1e-12)
+    assert math.isclose(acc.Scalars("val/loss_exact")[0].value, written["final_val_loss"], rel_tol=1e-6)
+
+
+def test_a_text_sample_continues_a_newline_at_every_eval(run):
+    cfg, acc = run
+    samples = acc.Tensors("sample/text_summary")
+    assert [e.step for e in samples] == steps(acc, "val/loss")
+    for e in samples:
+        lines = e.tensor_proto.string_val[0].decode().split("\n")  # each in a markdown code block: verbatim
+        text = "\n".join(line.removeprefix("    ") for line in lines)
+        assert all(line.startswith("    ") for line in lines) and text[0] == "\n" and len(text) == 1 + cfg.sample_tokens
+
+
+def test_attention_images_of_every_layer_at_every_eval_leave_the_future_white(run):
+    cfg, acc = run
+    assert set(acc.Tags()["images"]) == {f"attention/layer_{layer}" for layer in range(cfg.n_layer)}
+    T = min(ATTENTION_CHARS, cfg.block_size)  # the val split's first characters
+    lay, future = layout_for(1, cfg.n_head, T), np.triu(np.ones((T, T), dtype=bool), 1)  # future: key after query
+    for layer in range(cfg.n_layer):
+        images = acc.Images(f"attention/layer_{layer}")
+        assert [e.step for e in images] == steps(acc, "val/loss")
+        for e in images:
+            image = np.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("RGB"))
+            assert image.shape == (lay.size[1], lay.size[0], 3)
+            for head in range(cfg.n_head):
+                x, y = lay.origin(0, head)
+                cells = image[y:y + T * lay.cell, x:x + T * lay.cell].reshape(T, lay.cell, T, lay.cell, 3)
+                white = (cells == EMPTY).all(axis=(1, 3, 4))  # (queries, keys)
+                assert (white == future).all(), (layer, head, e.step)  # and no allowed key is white
+
+
+def test_hparams_declare_the_metrics_and_hparams_and_name_the_session_by_out_dir(run):
+    cfg, acc = run
     content = acc.PluginTagToContent("hparams")
-    # a session and no experiment summary: TensorBoard builds the table from all runs' sessions
-    assert metadata.SESSION_START_INFO_TAG in content and metadata.EXPERIMENT_TAG not in content
+    experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    assert {h.name for h in experiment.hparam_infos} == HPARAMS
+    assert {m.name.tag for m in experiment.metric_infos} == METRICS
+    assert METRICS <= set(acc.Tags()["scalars"])  # every declared metric has values to show
     start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
-    assert set(start.hparams) == set(cfg.to_dict())
-    assert start.hparams["n_layer"].number_value == cfg.n_layer
-    assert start.hparams["dataset"].string_value == cfg.dataset
-    assert start.hparams["always_save_checkpoint"].bool_value is True
-    assert [s for s, _ in values(acc, metadata.SESSION_START_INFO_TAG)] == [cfg.max_iters]
+    assert start.group_name == cfg.out_dir
+    assert start.hparams["n_layer"].number_value == cfg.n_layer and start.hparams["optimizer"].string_value == "adamw"
 
 
-def test_text_sample_is_the_prompt_continued_from_a_generator_seeded_with_cfg_seed(run):
-    cfg, _, acc = run
-    texts = sample_texts(acc)
-    assert all(t.startswith("ROMEO:") and len(t) == len("ROMEO:") + cfg.sample_tokens for _, t in texts)
-    # the last sample comes from the final weights (the checkpoint at max_iters) and a fresh
-    # Generator seeded with cfg.seed: redrawing it by hand gives the same text
-    ckpt = load_checkpoint(f"{cfg.out_dir}/ckpt.pt")
-    assert ckpt["step"] == cfg.max_iters
-    model, tok = model_from_checkpoint(ckpt)
-    model.eval()
-    prompt = torch.tensor([tok.encode("ROMEO:")])
-    gen = torch.Generator().manual_seed(cfg.seed)
-    new = [int(t) for t in model.stream(prompt, cfg.sample_tokens, temperature=1.0, generator=gen)]
-    assert texts[-1][1] == "ROMEO:" + tok.decode(new)
-    other = torch.Generator().manual_seed(cfg.seed + 1)  # positive control: the seed matters
-    new = [int(t) for t in model.stream(prompt, cfg.sample_tokens, temperature=1.0, generator=other)]
-    assert texts[-1][1] != "ROMEO:" + tok.decode(new)
+def test_a_finished_run_ends_its_session_with_success_and_an_interrupted_one_leaves_it_open(run, resumed):
+    _, stopped, before, _, after = resumed
+    assert stopped["interrupted"] == "SIGINT"
+    for acc, finished in ((run[1], True), (before, False), (after, True)):
+        content = acc.PluginTagToContent("hparams")
+        ends = [metadata.parse_session_end_info_plugin_data(v).status for t, v in content.items()
+                if t == metadata.SESSION_END_INFO_TAG]
+        assert metadata.SESSION_START_INFO_TAG in content and ends == ([api_pb2.STATUS_SUCCESS] if finished else [])
 
 
-def test_attention_images_have_an_empty_upper_triangle(run):
-    from PIL import Image
-
-    cfg, _, acc = run
-    (_, encoded), *_ = values(acc, "attention/layer_0")
-    width, height, png = encoded
-    image = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
-    T = min(ATTENTION_PROMPT_CHARS, cfg.block_size)  # the default prompt: the val split's first characters
-    layout = layout_for(1, cfg.n_head, T)
-    assert image.shape == (int(height), int(width), 3) == (layout.size[1], layout.size[0], 3)
-    for head in range(cfg.n_head):
-        for q in range(T):
-            for k in range(T):
-                x0, y0, x1, y1 = layout.cell_box(0, head, q, k)
-                cell = image[y0:y1, x0:x1].reshape(-1, 3)
-                is_empty = bool((cell == EMPTY).all())
-                assert is_empty == (k > q), (head, q, k)
+def test_a_resumed_run_leaves_one_point_per_step(resumed):
+    cfg, _, before, t_resume, after = resumed
+    assert steps(before, "train/loss") == [0, 1, 2, 3, 4]  # the stopped run logged past its checkpoint (3)
+    assert steps(after, "train/loss") == list(range(cfg.max_iters))
+    assert steps(after, "val/loss") == [0, 3, 6]
+    assert all(e.wall_time >= t_resume for e in after.Scalars("train/loss") if e.step >= 3)  # the replayed ones
 
 
-def test_snapshot_leaves_the_global_rng_and_the_model_mode_alone(tmp_path):
-    cfg = tiny_config(tmp_path, dropout=0.5)  # dropout would draw from the global RNG in train mode
-    corpus = load_corpus(cfg.dataset, cfg.cache_dir)
-    model = GPT(cfg.model_config(corpus.tokenizer.vocab_size)).train()
-    log = RunLog(tmp_path / "tb", cfg.max_iters, 0, tensorboard=True)
-    before = torch.get_rng_state()
-    log.snapshot(0, model, corpus, cfg)
-    log.close()
-    assert torch.equal(torch.get_rng_state(), before) and model.training
-    model(torch.zeros(1, 4, dtype=torch.long))  # positive control: a train-mode forward does draw
-    assert not torch.equal(torch.get_rng_state(), before)
-
-
-def test_prompts_fall_back_to_the_vocabulary_and_name_bad_characters(tmp_path):
-    cfg = tiny_config(tmp_path)
-    corpus = load_corpus(cfg.dataset, cfg.cache_dir)
-    sample, attention = resolve_prompts(cfg, corpus)
-    assert corpus.tokenizer.decode(sample) == "\n"
-    assert corpus.tokenizer.decode(attention) == corpus.tokenizer.decode(corpus.val[:16])  # block 16
-    no_newline = Corpus(np.zeros(40, dtype=np.uint16), np.ones(40, dtype=np.uint16), CharTokenizer("ab"), "ab")
-    assert resolve_prompts(cfg, no_newline)[0] == [0]  # the first vocabulary character
-    with pytest.raises(ValueError, match=r"sample_prompt='JULIET': .*'L', 'T', 'U'"):
-        resolve_prompts(cfg.replace(sample_prompt="JULIET"), corpus)
-
-
-@pytest.mark.parametrize("tensorboard, verbose", [(False, True), (True, False)])
-def test_tensorboard_false_or_a_silent_run_writes_no_events(tmp_path, tensorboard, verbose):
-    cfg = tiny_config(tmp_path, tensorboard=tensorboard, max_iters=2, exact_val=False)
-    train.train(cfg, verbose=verbose)
-    assert not any(p.name.startswith("events.out") for p in (tmp_path / "out").iterdir())
-
-
-def test_config_rejects_negative_sample_tokens():
-    with pytest.raises(ValueError, match="sample_tokens must be >= 0"):
-        TrainConfig(sample_tokens=-1)
+def test_the_fast_cpu_recipe_evaluates_at_least_8_times(run):
+    assert RECIPE.max_iters // RECIPE.eval_interval + 1 >= 8
+    assert len(steps(run[1], "val/loss")) >= 8  # the tiny run at the recipe's eval_interval / max_iters

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from data import eval_windows, get_batch, inputs_and_targets
 
 
+class Stopped(Exception):
+    """A stop signal arrived during an evaluation: it is abandoned, and nothing of it recorded."""
+
+
 @contextlib.contextmanager
 def evaluating(model: nn.Module) -> Iterator[nn.Module]:
-    """model in eval mode (no dropout) for the block, then back in the mode it was in, even when the
-    block raises: a failed evaluation must not leave a training model without its dropout."""
+    """model in eval mode (no dropout) for the block, then back in its mode, even when the block raises."""
     was_training = model.training
     model.eval()
     try:
@@ -24,115 +30,72 @@ def evaluating(model: nn.Module) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
+def _bar(total: int, desc: str, show: bool) -> tqdm:
+    # on a terminal, and only once an evaluation has taken 2 s: quick ones stay silent
+    return tqdm(total=total, desc=desc, unit="fwd", delay=2, leave=False, file=sys.stderr,
+                disable=None if show else True)
+
+
 @torch.no_grad()
-def estimate_loss(
-    model: nn.Module,
-    splits: dict[str, np.ndarray | Tensor],
-    batch_size: int,
-    block_size: int,
-    eval_iters: int,
-    seed: int,
-    device: torch.device | str,
-    autocast: contextlib.AbstractContextManager | None = None,
-    batches_per_forward: int = 1,
-) -> dict[str, float]:
-    """Mean loss over eval_iters random batches of each split.
+def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | Tensor], batch_size: int, block_size: int,
+                  eval_iters: int, seed: int, device: torch.device | str, autocast=None, batches_per_forward: int = 1,
+                  stop: Callable[[], bool] = lambda: False, show: bool = False) -> dict[str, float]:
+    """Mean loss over eval_iters random batches of each split, in eval mode.
 
-    The batch generator is re-seeded on every call so successive estimates see the same windows:
-    their differences then measure the model, not the draw. It is separate from the training
-    generator, so evaluating never changes the batches training sees.
-
-    batches_per_forward > 1 stacks that many of the same batches into one forward: the mean is the
-    same (equal batch sizes), and on a CPU larger matmuls cut the time of an estimate by about half.
-    A compiled model should keep 1, the training batch's shape, so that it is not compiled again.
+    The window draw is re-seeded with `seed` on every call, from a generator of its own: successive
+    estimates see the same windows (their differences measure the model) and training's batches are
+    untouched. batches_per_forward stacks that many batches into one forward: the same mean, and on a
+    CPU about half the time (benchmarks/RESULTS.md); a compiled model keeps 1, the training shape.
 
     Args:
-        model: maps (idx (B, T), targets (B, T)) to (logits, mean loss), as GPT does; run in eval mode.
-        splits: name -> the split's token ids, (N,) numpy array or tensor (on any device).
-        batch_size, block_size: the shape (B, T) of each batch.
-        eval_iters: batches per split.
-        seed: seeds the window draw, re-seeded on every call.
-        device: where the batches go (the model's device).
-        autocast: the forward's mixed-precision context, or None.
-        batches_per_forward: batches stacked into one forward.
-    Returns:
-        name -> mean loss over that split's eval_iters batches.
+        model: (idx (B, T), targets (B, T)) -> (logits, mean loss), as GPT.
+        splits: name -> (N,) token ids. batch_size, block_size: each batch's (B, T).
+        stop: polled before every forward; True raises Stopped. show: a progress bar when slow.
     """
     out = {}
-    with evaluating(model):
+    with evaluating(model), _bar(len(splits) * -(-eval_iters // batches_per_forward), "estimate", show) as bar:
         for name, data in splits.items():
-            out[name] = _split_estimate(model, data, batch_size, block_size, eval_iters, seed, device, autocast,
-                                        batches_per_forward)
+            gen = torch.Generator(device=data.device if isinstance(data, Tensor) else "cpu").manual_seed(seed)
+            total = torch.zeros((), device=device)
+            for first in range(0, eval_iters, batches_per_forward):
+                if stop():
+                    raise Stopped
+                group = [get_batch(data, batch_size, block_size, gen, device)
+                         for _ in range(min(batches_per_forward, eval_iters - first))]
+                x, y = (torch.cat(t) for t in zip(*group, strict=True))  # (n * B, T)
+                with autocast or contextlib.nullcontext():
+                    _, loss = model(x, y)
+                total += loss.float() * len(group)  # the mean of len(group) equal-sized batch means
+                bar.update()
+            out[name] = (total / eval_iters).item()  # one sync per split
     return out
 
 
-def _split_estimate(model: nn.Module, data: np.ndarray | Tensor, batch_size: int, block_size: int,
-                    eval_iters: int, seed: int, device: torch.device | str,
-                    autocast: contextlib.AbstractContextManager | None, batches_per_forward: int) -> float:
-    gen = torch.Generator(device=data.device if isinstance(data, Tensor) else "cpu").manual_seed(seed)
-    total = torch.zeros((), device=device)
-    for first in range(0, eval_iters, batches_per_forward):
-        group = [get_batch(data, batch_size, block_size, gen, device)
-                 for _ in range(min(batches_per_forward, eval_iters - first))]
-        x, y = (torch.cat(t) if len(group) > 1 else t[0] for t in zip(*group, strict=True))  # (n * B, T)
-        with autocast or contextlib.nullcontext():
-            _, loss = model(x, y)
-        total += loss.float() * len(group)  # the mean of len(group) equal-sized batch means
-    return (total / eval_iters).item()  # one sync per split
-
-
 @torch.no_grad()
-def exact_loss(
-    model: nn.Module,
-    data: np.ndarray | Tensor,
-    block_size: int,
-    batch_size: int,
-    device: torch.device | str,
-    autocast: contextlib.AbstractContextManager | None = None,
-) -> float:
-    """Mean cross-entropy over every target of a split exactly once, in order.
+def exact_loss(model: nn.Module, data: np.ndarray | Tensor, block_size: int, batch_size: int,
+               device: torch.device | str, autocast=None, stop: Callable[[], bool] = lambda: False,
+               show: bool = False) -> float:
+    """Mean cross-entropy over every target of a split exactly once, in order, in eval mode.
 
-    The split is cut into consecutive windows of block_size (eval_windows); each window's targets
-    are the next tokens, so every token after the first is predicted once, from the context that
-    precedes it within its window. Losses are summed in float64 and divided by the target count.
-
-    Args:
-        model: maps idx (B, T) to (logits (B, T, V), _), as GPT does; run in eval mode.
-        data: the split's token ids, (N,) numpy array or tensor.
-        block_size: window length T.
-        batch_size: windows per forward.
-        device: where the windows go (the model's device).
-        autocast: the forward's mixed-precision context, or None.
-    Returns:
-        the mean loss over the N - 1 targets.
+    The split is cut into consecutive windows of block_size (eval_windows), batch_size per forward;
+    each target is predicted from the tokens before it in its window. Losses are summed in float64
+    from float32 logits and divided by the N - 1 targets.
     """
-    with evaluating(model):
-        total = _total_loss(model, data, block_size, batch_size, device, autocast)
-    return (total / (len(data) - 1)).item()
-
-
-def _total_loss(model: nn.Module, data: np.ndarray | Tensor, block_size: int, batch_size: int,
-                device: torch.device | str, autocast: contextlib.AbstractContextManager | None) -> Tensor:
+    data = data if isinstance(data, Tensor) else torch.from_numpy(data.astype(np.int64))
     windows = eval_windows(data, block_size)
-    data_t = data if isinstance(data, Tensor) else torch.from_numpy(data.astype(np.int64))
+    full = torch.tensor([s for s, n in windows if n == block_size], dtype=torch.long)
+    chunks = [data[(full[i:i + batch_size, None] + torch.arange(block_size + 1)).to(data.device)]
+              for i in range(0, len(full), batch_size)]  # (b, T + 1) each
+    chunks += [data[s:s + n + 1][None] for s, n in windows if n < block_size]  # the short one at the end
     total = torch.zeros((), dtype=torch.float64, device=device)
-    full = [s for s, n in windows if n == block_size]
-    offsets = torch.arange(block_size + 1)
-    for i in range(0, len(full), batch_size):
-        starts = torch.tensor(full[i:i + batch_size])
-        chunk = data_t[(starts[:, None] + offsets).to(data_t.device)].long().to(device)  # (b, T + 1)
-        total += _sum_loss(model, chunk, autocast)
-    for s, n in windows:
-        if n < block_size:  # the one short window at the end
-            chunk = data_t[s:s + n + 1].long().to(device)[None]  # (1, n + 1)
-            total += _sum_loss(model, chunk, autocast)
-    return total  # float64 scalar
-
-
-def _sum_loss(model: nn.Module, chunk: Tensor, autocast) -> Tensor:
-    x, y = inputs_and_targets(chunk)  # (b, T) each: targets are the next tokens
-    with autocast or contextlib.nullcontext():
-        logits, _ = model(x)
-    return torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum"
-    ).double()
+    with evaluating(model), _bar(len(chunks), "exact val", show) as bar:
+        for chunk in chunks:
+            if stop():
+                raise Stopped
+            x, y = inputs_and_targets(chunk.long().to(device))  # (b, T) each: the next tokens
+            with autocast or contextlib.nullcontext():
+                logits, _ = model(x)
+            total += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1),
+                                     reduction="sum").double()
+            bar.update()
+    return (total / (len(data) - 1)).item()

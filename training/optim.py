@@ -1,17 +1,8 @@
-"""The optimizers (AdamW; Muon in muon.py) and the learning-rate schedule.
-
-The optimizers are small classes of our own rather than torch.optim subclasses: the first use of a
-torch.optim optimizer imports PyTorch's compiler stack (torch._dynamo), which costs about 1 s and
-60 MB of resident memory on a CPU, a good part of a short run. AdamW runs PyTorch's own fused
-kernel, the one torch.optim.AdamW(fused=True) calls, so the update is bit-identical to it
-(tests/test_optim.py); where that kernel is missing (an older torch, an MPS device), an explicit
-per-tensor loop does the same.
-"""
+"""The optimizers (torch's AdamW; Muon for the blocks' matrices) and the learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -19,104 +10,90 @@ from torch import Tensor, nn
 from .config import TrainConfig
 from .runtime import bf16_pays
 
-# PyTorch's fused AdamW kernel exists for CUDA and (from torch 2.4) CPU tensors; elsewhere (MPS) the
-# per-tensor loop below runs instead
-FUSED_ADAMW = hasattr(torch, "_fused_adamw_")
-FUSED_DEVICES = ("cpu", "cuda")
+# Coefficients of the quintic Newton-Schulz step (Jordan, 2024): they push every singular value of a
+# normalised matrix quickly into a band around 1, rather than exactly to 1.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
-class ParamGroupOptimizer:
-    """What every optimizer here shares: param groups, per-parameter state, zero_grad, and a
-    state_dict in torch.optim's layout (parameters replaced by their index), so checkpoints hold
-    plain tensors and numbers and load with weights_only=True."""
+def orthogonalize(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximately U V^T for G = U S V^T, G (rows, cols) or a stack (n, rows, cols), by Newton-Schulz.
 
-    def __init__(self, groups: list[dict], defaults: dict[str, Any]) -> None:
-        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
-        self.state: dict[Tensor, dict[str, Any]] = {}
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every parameter's gradient (set_to_none, the default and the cheaper) or zero it."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
-
-    def state_dict(self) -> dict[str, Any]:
-        """{"state": {param index: {name: tensor or number}}, "param_groups": [... "params": [indices]]}."""
-        index: dict[int, int] = {}
-        groups = []
-        for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": [index.setdefault(id(p), len(index)) for p in g["params"]]})
-        return {"state": {index[id(p)]: dict(s) for p, s in self.state.items()}, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what state_dict returned, onto this optimizer's parameters (same groups, same order);
-        raises ValueError when the group sizes differ."""
-        saved = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("optimizer state does not match the model's parameters (group sizes differ)")
-        params = [p for g in self.param_groups for p in g["params"]]
-        for group, old in zip(self.param_groups, saved, strict=True):
-            group.update({k: v for k, v in old.items() if k != "params"})
-        # copies, never the saved tensors themselves: two optimizers must not share moments
-        self.state = {params[int(i)]: {k: v.to(params[int(i)].device, copy=True) if isinstance(v, Tensor) else v
-                                       for k, v in s.items()}
-                      for i, s in state_dict["state"].items()}
+    The singular values need only land near 1 (roughly [0.7, 1.2]), so bfloat16 is precise enough.
+    Returns G's shape and dtype.
+    """
+    a, b, c = NS_COEFFS
+    X = G.to(dtype)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values <= 1: it converges
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT  # iterate on the wide side: X @ X^T is then the smaller Gram matrix
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return (X.mT if tall else X).to(G.dtype)
 
 
-class AdamW(ParamGroupOptimizer):
-    """Adam with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW computes it."""
+class Muon(torch.optim.Optimizer):
+    """Momentum whose update is orthogonalised (Keller Jordan's Muon), for 2-D weight matrices.
 
-    def __init__(self, groups: list[dict], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, fused: bool | None = None) -> None:
-        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.fused = FUSED_ADAMW if fused is None else fused
+    Adam scales each coordinate by its own history; Muon replaces the (Nesterov) momentum M by the
+    nearest semi-orthogonal matrix, so every direction the matrix can move in moves by the same amount.
+    """
+
+    def __init__(self, params: list[Tensor], lr: float = 0.02, momentum: float = 0.95,
+                 weight_decay: float = 0.0, ns_dtype: torch.dtype = torch.bfloat16) -> None:
+        if any(p.dim() != 2 for p in params):
+            raise ValueError("Muon takes 2-D weight matrices only")
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
-    def step(self) -> None:
-        """One AdamW update of every parameter that has a gradient, group by group."""
+    def step(self, closure: None = None) -> None:
+        """One update of every parameter that has a gradient."""
         for group in self.param_groups:
-            adamw_update([p for p in group["params"] if p.grad is not None], group, self.state, self.fused)
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = []
+            for p in params:
+                m = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                m.lerp_(p.grad, 1 - group["momentum"])
+                updates.append(p.grad.lerp(m, group["momentum"]))  # Nesterov: one momentum step ahead
+            by_shape: dict[tuple[int, ...], list[int]] = {}  # same-shape matrices as one batched product
+            for i, u in enumerate(updates):
+                by_shape.setdefault(tuple(u.shape), []).append(i)
+            for indices in by_shape.values():
+                ortho = orthogonalize(torch.stack([updates[i] for i in indices]), dtype=self.ns_dtype)
+                for i, o in zip(indices, ortho, strict=True):
+                    updates[i] = o
+            for p, u in zip(params, updates, strict=True):
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(u, alpha=-group["lr"] * max(1.0, p.size(0) / p.size(1)) ** 0.5)  # tall: smaller entries
 
 
-def adamw_update(params: list[Tensor], group: dict, state: dict, fused: bool = FUSED_ADAMW) -> None:
-    """One AdamW step for params (all on one device) with group's lr, betas, eps and weight_decay."""
-    if not params:
-        return
-    for p in params:
-        if p not in state:
-            # float32 step on the parameter's device: the layout the fused kernel reads
-            state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                        "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-    steps = [state[p]["step"] for p in params]
-    exp_avgs = [state[p]["exp_avg"] for p in params]
-    exp_avg_sqs = [state[p]["exp_avg_sq"] for p in params]
-    grads = [p.grad for p in params]
-    (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
-    torch._foreach_add_(steps, 1)
-    if fused and params[0].device.type in FUSED_DEVICES:
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
-        return
-    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
-        t = t.item()
-        p.mul_(1 - lr * wd)  # decoupled decay: shrink the weight, not the gradient
-        m.lerp_(g, 1 - beta1)  # first moment: m = beta1 m + (1 - beta1) g
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # second moment
-        denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)  # bias-corrected RMS of g
-        p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+def configure_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
+    """AdamW with weight decay on 2-D weights only (never biases or norms); with optimizer = "muon", the
+    2-D matrices inside the blocks go to Muon instead. Every group records its peak lr as base_lr."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    device = named[0][1].device
+    muon = [p for n, p in named if cfg.optimizer == "muon" and p.dim() == 2 and n.startswith("blocks.")]
+    rest = [(n, p) for n, p in named if not any(p is q for q in muon)]
+    groups = [{"params": [p for _, p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for _, p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW([{**g, "base_lr": cfg.learning_rate} for g in groups], lr=cfg.learning_rate,
+                              betas=(cfg.beta1, cfg.beta2), fused=device.type in ("cpu", "cuda"))
+    if not muon:
+        return [adamw]
+    # Newton-Schulz in bf16 only where its matmuls are fast: on an AVX2-only CPU bf16 made the fast
+    # recipe's optimizer step 98 ms instead of 8.6 (benchmarks/RESULTS.md)
+    fast = bf16_pays(device, 4 * cfg.n_embd, cfg.n_embd, min_work=0)
+    opt = Muon(muon, lr=cfg.muon_lr, momentum=cfg.muon_momentum, ns_dtype=torch.bfloat16 if fast else torch.float32)
+    opt.param_groups[0]["base_lr"] = cfg.muon_lr
+    return [opt, adamw]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, decay, then flat at min_lr.
-
-    Warmup starts at learning_rate / (warmup_iters + 1) rather than 0 so step 0 still learns
-    (as nanoGPT does). "cosine" decays from the end of warmup to lr_decay_iters; "wsd" holds the
-    peak and decays linearly over the last cooldown_frac of lr_decay_iters (warmup-stable-decay).
-    """
+    """The learning rate of optimizer step `step` (0-based): linear warmup from learning_rate /
+    (warmup_iters + 1) (so step 0 learns, as in nanoGPT), then cosine to min_lr at lr_decay_iters, or
+    wsd: the peak held until the last cooldown_frac of lr_decay_iters, then linear to min_lr; flat after."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
     if step >= cfg.lr_decay_iters:
@@ -128,47 +105,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         progress = (step - start) / max(1.0, cfg.lr_decay_iters - start)
         return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
     progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * progress))  # 1 -> 0
-    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def set_lr(optimizer: ParamGroupOptimizer, step: int, cfg: TrainConfig) -> float:
-    """Apply the schedule to every param group (each scaled from its own base_lr); returns the
-    AdamW learning rate of this step, the one that is logged."""
+def set_lr(optimizers: list[torch.optim.Optimizer], step: int, cfg: TrainConfig) -> float:
+    """Apply the schedule to every group, scaled from its base_lr; returns AdamW's lr (the logged one)."""
     lr = lr_at(step, cfg)
-    for group in optimizer.param_groups:
-        group["lr"] = group["base_lr"] * lr / cfg.learning_rate
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * lr / cfg.learning_rate
     return lr
-
-
-def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> ParamGroupOptimizer:
-    """AdamW with weight decay on 2-D weights (matmuls, embeddings) only, never on biases or norms;
-    or, with optimizer = "muon", Muon for the 2-D matrices inside the blocks and AdamW for the rest.
-
-    AdamW runs PyTorch's fused kernel (one kernel for all parameters of a group) on CPU and CUDA.
-    """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if cfg.optimizer == "muon":
-        from .muon import Muon
-
-        hidden = [p for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
-        groups = [
-            {"params": hidden, "use_muon": True, "lr": cfg.muon_lr, "base_lr": cfg.muon_lr,
-             "momentum": cfg.muon_momentum, "weight_decay": 0.0},
-            {"params": [p for n, p in named if p.dim() >= 2 and not n.startswith("blocks.")],
-             "base_lr": cfg.learning_rate, "weight_decay": cfg.weight_decay},
-            {"params": [p for _, p in named if p.dim() < 2], "base_lr": cfg.learning_rate, "weight_decay": 0.0},
-        ]
-        # Newton-Schulz in bf16 where its matmuls are fast (a GPU, a CPU with AMX); on other CPUs bf16
-        # matmuls are ~10x slower than float32 ones (benchmarks/RESULTS.md)
-        device = hidden[0].device if hidden else torch.device("cpu")
-        fast = bf16_pays(device, 4 * cfg.n_embd, cfg.n_embd, min_work=0)
-        return Muon(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                    ns_dtype=torch.bfloat16 if fast else torch.float32)
-    groups = [
-        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    for g in groups:
-        g["base_lr"] = cfg.learning_rate
-    return AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))

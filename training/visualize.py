@@ -1,11 +1,8 @@
 """Attention weights as pictures: one tile per (layer, head), rows = queries, columns = keys.
 
-Cells are coloured with numpy; Pillow (installed with tensorboard) draws the characters on the axes
-and is imported only when a picture is drawn. A weight that is exactly 0 is drawn EMPTY (white);
-every positive weight is drawn on a blue ramp that starts visibly off-white. So the causal mask shows
-as an exactly white upper triangle, and no allowed key can look masked however small its weight.
-
-Shapes: L layers, H heads, T prompt length (queries = keys = T).
+A weight of exactly 0 is white; every positive weight is blue, on a ramp that starts visibly off-white,
+so the causal mask shows as an exactly white upper triangle and no allowed key can look masked. A
+colour scale under the tiles reads the ramp. Shapes: L layers, H heads, T prompt length.
 """
 
 from __future__ import annotations
@@ -22,139 +19,112 @@ from model import GPT
 
 from .evaluate import evaluating
 
-EMPTY = (255, 255, 255)  # weight exactly 0: a masked (or fully ignored) key
-LOW = (198, 219, 239)  # the smallest positive weight
-HIGH = (8, 48, 107)  # weight 1
+EMPTY, LOW, HIGH = (255, 255, 255), (198, 219, 239), (8, 48, 107)  # weight 0, the smallest > 0, weight 1
 INVALID = (220, 0, 0)  # NaN/inf: a bug, drawn so it cannot be missed
 GAMMA = 0.5  # sqrt ramp: spread attention (1/T per key) stays visibly different from focused attention
-LABEL_CHARS = {"\n": "\\n", "\t": "\\t", " ": "·"}  # Pillow's default font has no ¶ or ⏎
+SCALE_TICKS = (0.01, 0.1, 0.5, 1.0)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Pixel geometry of a grid of attention tiles: one row per layer, one column per head."""
+    """Pixel geometry of a grid of tiles: one row per layer, one column per head, and the scale below."""
 
     T: int
     rows: int
     cols: int
     cell: int  # side of one (query, key) cell in pixels
-    label: int  # width of the query-label column and height of the key-label row (0 = no labels)
-    title: int = 14  # height of the "layer l head h" line above each tile
-    gap: int = 12  # space between tiles and around the grid
+    label: int  # width of the query labels and height of the key labels (0 = no labels)
+    title: int = 14  # the "layer l head h" line above each tile
+    gap: int = 12
+    scale: int = 40  # the colour scale's strip
 
-    @property
-    def tile_w(self) -> int:
-        """Width of one head's tile in pixels: query labels, then T cells."""
-        return self.label + self.T * self.cell
-
-    @property
-    def tile_h(self) -> int:
-        """Height of one head's tile in pixels: title, key labels, then T cells."""
-        return self.title + self.label + self.T * self.cell
+    def origin(self, row: int, col: int) -> tuple[int, int]:
+        """Top-left pixel (x, y) of cell (0, 0) of tile (row, col)."""
+        side = self.T * self.cell
+        return (self.gap + col * (self.label + side + self.gap) + self.label,
+                self.gap + row * (self.title + self.label + side + self.gap) + self.title + self.label)
 
     @property
     def size(self) -> tuple[int, int]:
         """(width, height) of the whole picture."""
-        return (self.gap + self.cols * (self.tile_w + self.gap), self.gap + self.rows * (self.tile_h + self.gap))
-
-    def origin(self, row: int, col: int) -> tuple[int, int]:
-        """Top-left pixel (x, y) of the heatmap (cell (0, 0)) of tile (row, col)."""
-        x = self.gap + col * (self.tile_w + self.gap) + self.label
-        y = self.gap + row * (self.tile_h + self.gap) + self.title + self.label
-        return x, y
-
-    def cell_box(self, row: int, col: int, query: int, key: int) -> tuple[int, int, int, int]:
-        """(x0, y0, x1, y1), exclusive, of the cell for `query` (a row) and `key` (a column)."""
-        x, y = self.origin(row, col)
-        x0, y0 = x + key * self.cell, y + query * self.cell
-        return x0, y0, x0 + self.cell, y0 + self.cell
+        x, y = self.origin(self.rows, self.cols)
+        return max(x - self.label, 330), y - self.title - self.label + self.scale
 
 
 def layout_for(n_rows: int, n_cols: int, T: int) -> Layout:
-    """The geometry render_attention uses for n_rows x n_cols tiles of T x T cells."""
-    cell = max(2, min(14, 448 // T))  # ~450 px per tile: 14 px cells up to T = 32, 2 px at T = 224+
+    """The geometry render_attention uses: ~450 px per tile, 14 px cells up to T = 32, 2 px at T >= 224."""
+    cell = max(2, min(14, 448 // T))
     return Layout(T=T, rows=n_rows, cols=n_cols, cell=cell, label=max(cell, 16) if cell >= 8 else 0)
 
 
-def label_char(ch: str) -> str:
-    """How a character is written on the axes: newline, tab and space made visible."""
-    return LABEL_CHARS.get(ch, ch)
-
-
 def colour(weights: np.ndarray) -> np.ndarray:
-    """Weights (..., T, T) in [0, 1] -> RGB uint8 (..., T, T, 3); exactly 0 -> EMPTY."""
+    """Weights (..., T, T) in [0, 1] -> RGB uint8 (..., T, T, 3); exactly 0 -> EMPTY, non-finite -> INVALID."""
     w = np.asarray(weights, dtype=np.float64)
     finite = np.isfinite(w)
     ramp = np.clip(np.where(finite, w, 0.0), 0.0, 1.0) ** GAMMA
-    low, high = np.array(LOW, dtype=np.float64), np.array(HIGH, dtype=np.float64)
-    rgb = low + (high - low) * ramp[..., None]
-    rgb[w == 0] = EMPTY
-    rgb[~finite] = INVALID
+    rgb = np.array(LOW, dtype=np.float64) + (np.array(HIGH) - np.array(LOW)) * ramp[..., None]
+    rgb[w == 0], rgb[~finite] = EMPTY, INVALID
     return np.rint(rgb).astype(np.uint8)
 
 
 def render_attention(maps: Sequence[Tensor | np.ndarray], chars: Sequence[str],
                      layer_ids: Sequence[int] | None = None) -> np.ndarray:
-    """Draw attention weights as a grid of heatmaps: one row per layer, one tile per head.
-
-    Args:
-        maps: L tensors (H, T, T); maps[l][h, q, k] is how much query q attends to key k.
-        chars: the T characters of the prompt, written along both axes of every tile.
-        layer_ids: the layer numbers for the tile titles (default 0..L-1).
-    Returns:
-        (height, width, 3) uint8 RGB image; geometry as layout_for(L, H, T) describes.
-    """
+    """Draw L maps (H, T, T) (maps[l][h, q, k]: how much query q attends to key k) as a grid of heatmaps,
+    the T prompt characters along both axes of every tile (a space as ⎵, a newline as \\n), and the
+    colour scale below. Returns (height, width, 3) uint8 RGB, geometry as layout_for(L, H, T)."""
     from PIL import Image, ImageDraw, ImageFont
 
-    if not maps:
-        raise ValueError("render_attention needs at least one layer of attention weights")
     weights = [m.detach().float().cpu().numpy() if isinstance(m, Tensor) else np.asarray(m) for m in maps]
-    H, T, Tk = weights[0].shape
-    if T != Tk or any(w.shape != (H, T, T) for w in weights) or len(chars) != T:
-        raise ValueError(f"render_attention needs L maps of one shape (H, T, T) and T characters; got shapes "
+    if not weights or any(w.shape != weights[0].shape or w.shape[1:] != (len(chars),) * 2 for w in weights):
+        raise ValueError(f"render_attention needs L >= 1 maps of one shape (H, T, T) and T characters; got "
                          f"{[w.shape for w in weights]} and {len(chars)} characters")
+    H, T, _ = weights[0].shape
     layer_ids = list(range(len(weights))) if layer_ids is None else list(layer_ids)
-    layout = layout_for(len(weights), H, T)
-    canvas = np.full((layout.size[1], layout.size[0], 3), 255, dtype=np.uint8)
+    lay = layout_for(len(weights), H, T)
+    canvas = np.full((lay.size[1], lay.size[0], 3), 255, dtype=np.uint8)
     for row, w in enumerate(weights):
-        tiles = np.repeat(np.repeat(colour(w), layout.cell, axis=1), layout.cell, axis=2)  # (H, Tc, Tc, 3)
+        tiles = np.repeat(np.repeat(colour(w), lay.cell, axis=1), lay.cell, axis=2)  # (H, T*cell, T*cell, 3)
         for h in range(H):
-            x, y = layout.origin(row, h)
-            canvas[y:y + T * layout.cell, x:x + T * layout.cell] = tiles[h]
+            x, y = lay.origin(row, h)
+            canvas[y:y + T * lay.cell, x:x + T * lay.cell] = tiles[h]
+    bar_x, bar_y, bar_w = lay.gap + 40, lay.size[1] - lay.scale + 6, 240  # the colour scale
+    canvas[bar_y:bar_y + 10, bar_x:bar_x + bar_w] = colour(np.linspace(1e-9, 1, bar_w) ** 2)[None]
     image = Image.fromarray(canvas)
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default()
+    draw, font = ImageDraw.Draw(image), ImageFont.load_default()
+    draw.rectangle((lay.gap, bar_y, lay.gap + 10, bar_y + 9), outline=(170, 170, 170))
+    draw.text((lay.gap + 14, bar_y), "0", fill=(0, 0, 0), font=font)
+    for tick in SCALE_TICKS:
+        tx = bar_x + round(tick ** GAMMA * (bar_w - 1))
+        draw.line((tx, bar_y + 10, tx, bar_y + 13), fill=(0, 0, 0))
+        _centred(draw, (tx, bar_y + 20), f"{tick:g}", font, (0, 0, 0))
     for row in range(len(weights)):
         for h in range(H):
-            x, y = layout.origin(row, h)
-            side = T * layout.cell
-            draw.rectangle((x - 1, y - 1, x + side, y + side), outline=(170, 170, 170))  # outside the cells
-            draw.text((x - layout.label, y - layout.label - layout.title), f"layer {layer_ids[row]} head {h}",
+            x, y = lay.origin(row, h)
+            side = T * lay.cell
+            draw.rectangle((x - 1, y - 1, x + side, y + side), outline=(170, 170, 170))
+            draw.text((x - lay.label, y - lay.label - lay.title), f"layer {layer_ids[row]} head {h}",
                       fill=(0, 0, 0), font=font)
-            if not layout.label:
-                continue  # cells too small for characters
-            for i, ch in enumerate(chars):
-                centre = i * layout.cell + layout.cell / 2
-                text = label_char(ch)
-                _centred(draw, (x + centre, y - layout.label / 2), text, font)  # key, above its column
-                _centred(draw, (x - layout.label / 2, y + centre), text, font)  # query, left of its row
+            for i, ch in enumerate(chars if lay.label else ()):
+                centre = i * lay.cell + lay.cell / 2
+                for cx, cy in ((x + centre, y - lay.label / 2), (x - lay.label / 2, y + centre)):  # key, query
+                    if ch == " ":  # ⎵, drawn: the default font has no glyph for it
+                        draw.line([(cx - 3, cy - 1), (cx - 3, cy + 2), (cx + 3, cy + 2), (cx + 3, cy - 1)],
+                                  fill=(60, 60, 60))
+                    else:
+                        _centred(draw, (cx, cy), {"\n": "\\n", "\t": "\\t"}.get(ch, ch), font, (60, 60, 60))
     return np.asarray(image)
 
 
-def _centred(draw, xy: tuple[float, float], text: str, font) -> None:
-    """Draw text centred on xy (works with the bitmap font too, which has no anchors)."""
+def _centred(draw, xy: tuple[float, float], text: str, font, fill: tuple[int, int, int]) -> None:
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    draw.text((xy[0] - (left + right) / 2, xy[1] - (top + bottom) / 2), text, fill=(60, 60, 60), font=font)
+    draw.text((xy[0] - (left + right) / 2, xy[1] - (top + bottom) / 2), text, fill=fill, font=font)
 
 
 @torch.no_grad()
 def attention_maps(model: GPT, idx: Tensor) -> list[Tensor]:
-    """Attention weights of every layer for idx (B, T): n_layer tensors (B, H, T, T).
-
-    Sets each attention module's keep_weights flag for one forward (which runs the from-scratch
-    attention, on an sdpa model too) and clears it again. `model` must be the plain module, not a
-    torch.compile wrapper; its mode (train or eval) is the caller's.
-    """
+    """Attention weights of every layer for idx (B, T): n_layer tensors (B, H, T, T). Sets each attention
+    module's keep_weights flag for one forward (the from-scratch path, on an sdpa model too) and clears
+    it again. `model` is the plain module, in the mode the caller chose."""
     layers = [block.attn for block in model.blocks]
     for attn in layers:
         attn.keep_weights = True
@@ -167,17 +137,12 @@ def attention_maps(model: GPT, idx: Tensor) -> list[Tensor]:
 
 
 def prompt_attention(model: GPT, ids: Sequence[int]) -> list[Tensor]:
-    """Attention weights of every layer for one prompt: L tensors (H, T, T), float32, on the CPU.
-
-    Runs model in eval mode (no dropout, so no random numbers are drawn) and restores its mode.
-    """
+    """Attention weights of every layer for one prompt, in eval mode: L tensors (H, T, T), float32, CPU."""
     if not 1 <= len(ids) <= model.config.block_size:
-        raise ValueError(f"an attention prompt needs 1..block_size={model.config.block_size} tokens, "
-                         f"got {len(ids)}")
-    device = next(model.parameters()).device
+        raise ValueError(f"an attention prompt needs 1..block_size={model.config.block_size} tokens, got {len(ids)}")
     with evaluating(model):
-        maps = attention_maps(model, torch.tensor([list(ids)], dtype=torch.long, device=device))
-    return [m[0].float().cpu() for m in maps]  # batch item 0: (H, T, T) per layer
+        maps = attention_maps(model, torch.tensor([list(ids)], device=model.tok_emb.weight.device))
+    return [m[0].float().cpu() for m in maps]
 
 
 def save_attention_png(path: str | Path, maps: Sequence[Tensor | np.ndarray], chars: Sequence[str]) -> Path:
@@ -185,7 +150,6 @@ def save_attention_png(path: str | Path, maps: Sequence[Tensor | np.ndarray], ch
     from PIL import Image
 
     path = Path(path)
-    if path.parent != Path():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(render_attention(maps, chars)).save(path, format="PNG")
     return path

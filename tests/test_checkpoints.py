@@ -1,0 +1,300 @@
+"""Checkpoints and --resume, through train.train and train.main.
+
+A run stopped at step K and resumed ends bit-identical to one that never stopped; a checkpoint holds
+tensors and plain data only, read with weights_only=True; a checkpoint that cannot be continued is
+refused before anything in out_dir is written; every write is atomic and leaves no temporary behind.
+"""
+
+from __future__ import annotations
+
+import ast
+import errno
+import os
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from model import GPT, GPTConfig
+from tiny import ROOT, TEXT, cli_args, tiny_config
+from training import CKPT_NAME, TrainConfig, load_checkpoint, save_checkpoint
+from training.checkpoint import FORMAT, write_atomic
+
+N, K = 8, 4  # an uninterrupted run of N steps; its twin stops at K and resumes to N
+
+
+def config(folder: Path, name: str, **overrides) -> TrainConfig:
+    # dropout > 0: training draws from the global RNG, so a resume that lost its state would change the
+    # weights; lr_decay_iters is fixed, so the schedule does not depend on the max_iters a run stops at
+    fields = dict(max_iters=N, eval_interval=K, dropout=0.1, lr_decay_iters=N, always_save_checkpoint=True)
+    return tiny_config(folder, out_dir=str(folder / name), **{**fields, **overrides})
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """a and b hold equal tensors (bit for bit) and equal plain values, at every nesting level."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def losses(history: list[dict]) -> list[tuple]:
+    return [(h["step"], h["train_loss"], h["val_loss"]) for h in history]  # the clocks differ, by design
+
+
+@pytest.fixture(scope="module", params=["adamw", "muon"])
+def pair(request, tmp_path_factory):
+    """(folder, summaries): `whole` trains N steps; `split` trains K, is copied to `stopped`, and resumes
+    to N. (A compiled first half, even traced by dynamo's eager backend, costs ~2 s on a CPU: left out.)"""
+    folder = tmp_path_factory.mktemp(request.param)
+    whole, split = (config(folder, name, optimizer=request.param) for name in ("whole", "split"))
+    summaries = {"whole": train.train(whole, verbose=False), "stopped": train.train(split.replace(max_iters=K),
+                                                                                    verbose=False)}
+    shutil.copytree(folder / "split", folder / "stopped")
+    summaries["resumed"] = train.train(split.replace(resume=True), verbose=False)
+    return folder, summaries
+
+
+def test_a_run_stopped_at_step_k_and_resumed_ends_bit_identical_to_an_uninterrupted_one(pair):
+    folder, summaries = pair
+    a, b = load_checkpoint(folder / "whole" / CKPT_NAME), load_checkpoint(folder / "split" / CKPT_NAME)
+    assert a["step"] == b["step"] == N
+    assert summaries["resumed"]["steps_this_run"] == N - K  # it continued from K: it did not start over
+    for key in ("model", "optimizers", "rng", "best_val_loss"):
+        assert_same(a[key], b[key], key)
+    assert [s for s, _, _ in losses(a["history"])] == [0, K, N]
+    assert losses(a["history"]) == losses(b["history"]) == losses(summaries["resumed"]["history"])
+    assert summaries["whole"]["final_val_loss"] == summaries["resumed"]["final_val_loss"]
+
+
+def test_resuming_with_another_rng_state_changes_the_weights(pair, tmp_path):
+    """Positive control for the bit-identity: the restored state matters (dropout draws from it)."""
+    folder, _ = pair
+    out = tmp_path / "split"
+    shutil.copytree(folder / "stopped", out)
+    ckpt = load_checkpoint(out / CKPT_NAME)
+    ckpt["rng"]["torch"] = torch.Generator().manual_seed(0).get_state()
+    save_checkpoint(out / CKPT_NAME, ckpt)
+    train.train(TrainConfig(**{**ckpt["config"], "out_dir": str(out), "max_iters": N, "resume": True}),
+                verbose=False)
+    a, b = load_checkpoint(folder / "whole" / CKPT_NAME)["model"], load_checkpoint(out / CKPT_NAME)["model"]
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def plain(x) -> bool:
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and plain(v) for k, v in x.items())
+    if isinstance(x, list | tuple):
+        return all(plain(v) for v in x)
+    return x is None or isinstance(x, bool | int | float | str)
+
+
+def test_the_state_dict_has_no_wrapper_prefixes_and_config_and_vocab_are_plain_data(pair):
+    folder, _ = pair
+    ckpt = load_checkpoint(folder / "split" / CKPT_NAME)
+    assert list(ckpt["model"]) == list(GPT(GPTConfig(**ckpt["model_config"])).state_dict())
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    assert ckpt["format"] == FORMAT
+    for key in ("model_config", "config", "vocab", "step", "best_val_loss", "history"):
+        assert plain(ckpt[key]), key
+    assert TrainConfig(**ckpt["config"]).out_dir == str(folder / "split")
+
+
+def python_files(root: Path):
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        yield from (Path(folder) / f for f in files if f.endswith(".py"))
+
+
+def test_every_torch_load_in_the_repository_passes_weights_only_true():
+    calls = {}
+    for path in python_files(ROOT):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+                calls[f"{path.relative_to(ROOT)}:{node.lineno}"] = any(
+                    k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in node.keywords)
+    assert any(where.startswith("training/checkpoint.py:") and safe for where, safe in calls.items())
+    # the one unsafe call is this file's deliberate one (the armed payload's control): the scan sees them
+    assert [where.split(":")[0] for where, safe in calls.items() if not safe] == ["tests/test_checkpoints.py"]
+
+
+# --- refusals, before anything is written ----------------------------------------------------
+
+def snapshot(out: Path) -> dict | None:
+    """Every file under out with its bytes and mtime; None when out does not exist."""
+    if not out.exists():
+        return None
+    return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> TrainConfig:
+    """A run finished through train.main (so with summary.json) at step 4 = max_iters; copy before use."""
+    folder = tmp_path_factory.mktemp("finished")
+    cfg = tiny_config(folder, max_iters=4, eval_interval=2, always_save_checkpoint=True, tensorboard=False,
+                      exact_val=False)
+    assert train.main(cli_args(cfg)) == 0
+    return cfg
+
+
+@pytest.fixture
+def run_dir(finished, tmp_path) -> tuple[TrainConfig, Path]:
+    """A private copy of the finished run, and the config that resumes it to step 6."""
+    shutil.copytree(finished.out_dir, tmp_path / "out")
+    return finished.replace(out_dir=str(tmp_path / "out"), resume=True, max_iters=6), tmp_path / "out"
+
+
+def resume_refused(capsys, cfg: TrainConfig, out: Path, *needles: str) -> None:
+    before = snapshot(out)
+    rc = train.main(cli_args(cfg))
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+    assert snapshot(out) == before, "out_dir changed"
+
+
+def flip_a_weight_byte(path: Path) -> None:
+    """Flip one byte in the middle of the largest record's data (a tensor's bytes)."""
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    raw[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def other_corpus(cfg: TrainConfig, out: Path) -> TrainConfig:
+    corpus = out.parent / "other.txt"  # beside out_dir: the snapshot stays out_dir's
+    corpus.write_text(TEXT.replace("R", "Z") * 100, encoding="utf-8")
+    return cfg.replace(dataset=str(corpus))
+
+
+REFUSALS = {  # what is done to the run: (the change, to the config and/or its out_dir), the message's parts
+    "no_checkpoint": (lambda cfg, out: (out / CKPT_NAME).unlink() or cfg,
+                      ["--resume: no checkpoint at", "without --resume the run starts afresh"]),
+    "no_out_dir": (lambda cfg, out: shutil.rmtree(out) or cfg, ["--resume: no checkpoint at"]),
+    "architecture": (lambda cfg, out: cfg.replace(n_layer=1, n_embd=32),
+                     ["n_layer: checkpoint 2 vs config 1", "n_embd: checkpoint 16 vs config 32",
+                      "Drop --resume to start afresh, or give a new --out_dir"]),
+    "vocabulary": (other_corpus, ["another vocabulary", "differing: ['R', 'Z']", "drop --resume"]),
+    "past_max_iters": (lambda cfg, out: cfg.replace(max_iters=3), ["is at step 4, past max_iters=3"]),
+    "finished": (lambda cfg, out: cfg.replace(max_iters=4), ["is at step 4 = max_iters: the run is finished",
+                                                            "summary.json", "--max_iters > 4"]),
+    "truncated": (lambda cfg, out: (out / CKPT_NAME).write_bytes((out / CKPT_NAME).read_bytes()[:20000]) and cfg,
+                  ["is not a checkpoint: not a complete PyTorch archive"]),
+    "flipped_byte": (lambda cfg, out: flip_a_weight_byte(out / CKPT_NAME) or cfg, ["fails its CRC-32 check"]),
+    "not_ours": (lambda cfg, out: torch.save({"model": {}, "step": 4}, out / CKPT_NAME) or cfg,
+                 ["is not a checkpoint written by this project"]),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_checkpoint_that_cannot_be_continued_is_refused_before_out_dir_is_touched(run_dir, capsys, case):
+    cfg, out = run_dir
+    change, needles = REFUSALS[case]
+    resume_refused(capsys, change(cfg, out), out, *needles)
+
+
+def test_the_same_copy_resumes_when_nothing_is_wrong(run_dir, capsys):
+    """Positive control of the refusals: the harness does see a resume's writes."""
+    cfg, out = run_dir
+    before = snapshot(out)
+    assert train.main(cli_args(cfg)) == 0, capsys.readouterr().err
+    assert snapshot(out) != before and load_checkpoint(out / CKPT_NAME)["step"] == 6
+
+
+class WritesMarker:
+    """Unpickling this calls open(marker, 'w'): the file's existence shows that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_refused_and_its_code_never_runs(run_dir, capsys, tmp_path):
+    cfg, out = run_dir
+    marker = tmp_path / "code_ran"
+    ckpt = load_checkpoint(out / CKPT_NAME)
+    torch.save({**ckpt, "vocab": WritesMarker(marker)}, out / CKPT_NAME)
+    resume_refused(capsys, cfg, out, "holds pickled objects other than tensors and plain data; refused")
+    assert not marker.exists()
+    torch.load(out / CKPT_NAME, weights_only=False)  # positive control: the payload is armed
+    assert marker.exists()
+
+
+# --- atomic writes ---------------------------------------------------------------------------
+
+def disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def half_then(error: BaseException):
+    def save(obj, f, *args, **kwargs):
+        f.write(b"x" * 4096)  # some bytes reached the temporary file first
+        raise error
+    return save
+
+
+@pytest.mark.parametrize("fault", ["write", "fsync", "ctrl_c"])
+def test_a_failed_save_leaves_the_old_file_byte_identical_and_no_temp_file(tmp_path, monkeypatch, fault):
+    path = tmp_path / CKPT_NAME
+    save_checkpoint(path, {"step": 1})
+    old = path.read_bytes()
+    if fault == "fsync":
+        monkeypatch.setattr(os, "fsync", disk_full)
+    else:
+        error = KeyboardInterrupt() if fault == "ctrl_c" else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(torch, "save", half_then(error))
+    with pytest.raises(KeyboardInterrupt if fault == "ctrl_c" else OSError) as caught:
+        save_checkpoint(path, {"step": 2})
+    if fault != "ctrl_c":
+        assert caught.value.errno == errno.ENOSPC
+        assert f"could not write checkpoint {path}: No space left on device" in str(caught.value)
+        assert "the previous checkpoint there (if any) is intact" in str(caught.value)
+    assert path.read_bytes() == old and os.listdir(tmp_path) == [CKPT_NAME]
+    monkeypatch.undo()  # positive control: the same save, without the fault, does replace the file
+    save_checkpoint(path, {"step": 2})
+    assert torch.load(path, weights_only=True)["step"] == 2 and os.listdir(tmp_path) == [CKPT_NAME]
+
+
+def test_a_run_removes_the_temporary_files_that_killed_writes_left_behind(tmp_path):
+    cfg = tiny_config(tmp_path, max_iters=2, eval_interval=2, exact_val=False)
+    out = Path(cfg.out_dir)
+    out.mkdir()
+    seen = []  # the name a write in progress really has: what a SIGKILL would leave
+    write_atomic(out / CKPT_NAME, lambda f: seen.extend(p.name for p in out.iterdir()))
+    stale = [out / seen[0], out / ".config.json.1234.0badf00d.tmp", out / ".summary.json.1234.0badf00d.tmp"]
+    assert stale[0].name.startswith(f".{CKPT_NAME}.") and stale[0].name.endswith(".tmp")
+    for p in stale:
+        p.write_bytes(b"torn")
+    (out / "notes.txt").write_text("not ours to tidy")
+    train.train(cfg, verbose=False)
+    assert not any(p.exists() for p in stale)
+    assert (out / "notes.txt").exists() and load_checkpoint(out / CKPT_NAME)["step"] == 2
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
+def test_a_new_file_gets_the_permissions_of_the_umask_not_0600(tmp_path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "summary.json", lambda f: f.write(b"{}"))
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == mode

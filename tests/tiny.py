@@ -1,0 +1,28 @@
+"""Tiny corpora and configs in temp dirs, shared by the tests (which never download or read ../shared)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from training import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
+
+
+def tiny_config(folder: Path, **overrides: Any) -> TrainConfig:
+    """A 2-layer, 2-head, 16-wide model on a ~10 KB corpus written into folder: a step takes milliseconds."""
+    corpus = folder / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text(TEXT * 100, encoding="utf-8")
+    fields: dict[str, Any] = dict(
+        dataset=str(corpus), out_dir=str(folder / "out"), device="cpu", compile="false", n_layer=2, n_head=2,
+        n_embd=16, block_size=16, dropout=0.0, batch_size=4, max_iters=6, learning_rate=1e-2, min_lr=1e-3,
+        warmup_iters=2, lr_decay_iters=8, eval_interval=3, eval_iters=2, log_interval=1, sample_tokens=24)
+    return TrainConfig(**{**fields, **overrides})
+
+
+def cli_args(cfg: TrainConfig) -> list[str]:
+    """cfg as train.py command-line overrides (every field, so nothing falls back to a recipe)."""
+    return [f"--{k}={v}" for k, v in cfg.to_dict().items()]
