@@ -1,11 +1,8 @@
-"""Train a character-level GPT.
+"""Train a character-level GPT: python train.py [CONFIG.toml] [--field=value ...] (--help lists the fields),
+or torchrun --nproc_per_node=N train.py CONFIG [...] for DistributedDataParallel.
 
-    python train.py [CONFIG.toml] [--field=value ...]     (python train.py --help lists the fields)
-    torchrun --nproc_per_node=N train.py CONFIG [...]     (DistributedDataParallel)
-
-Without a config it trains the recipe for the machine: the baby GPT on CUDA, the fast CPU recipe
-elsewhere. `train` reads top to bottom: checks and set-up, then per step lr -> eval/checkpoint ->
-forward/backward/update -> log, then the exact val loss and summary.json.
+Without a config it trains the recipe for the machine's device. `train` reads top to bottom: checks and
+set-up, then per step lr -> eval/checkpoint -> forward/backward/update -> log, then the exact val loss.
 """
 
 from __future__ import annotations
@@ -35,32 +32,26 @@ from training.distributed import close_distributed, init_distributed, launched_b
 from training.faults import RunGuard, exit_code, signal_name
 from training.log import RunLog, bpc, estimated_seconds, format_duration
 from training.optim import configure_optimizers
-from training.runtime import autocast_context, peak_flops, peak_memory_mb, resolve_device, resolve_dtype, run_facts
+from training.runtime import autocast_context, peak_flops, resolve_device, resolve_dtype, run_facts
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-# an estimated run longer than this on a machine without CUDA gets the CPU recipe suggested
-LONG_RUN_SECONDS = 15 * 60
-# inference-only forwards (estimates, the exact val) take ~4k tokens at a time: fewer calls, while the
-# tensors stay small enough to be reused rather than freshly mapped (fastest on a CPU; RESULTS.md)
-EVAL_TOKENS_PER_FORWARD = 4096
-# what a run can meet that is the user's or the machine's doing: one line and exit status 1, no traceback
+LONG_RUN_SECONDS = 15 * 60  # an estimate above this on a machine without CUDA suggests the CPU recipe
+EVAL_TOKENS_PER_FORWARD = 4096  # tokens per inference forward: the fastest grouping on a CPU (RESULTS.md)
+# the user's or the machine's doing: one line and exit status 1, no traceback
 RUN_ERRORS = (ValueError, FloatingPointError, ConnectionError, ImportError, OSError)
 
 
 def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
-    """Run one training job as cfg (a TrainConfig) describes; returns the summary written to summary.json.
-
-    Under torchrun this process is one rank of a DDP job; SIGINT/SIGTERM stop it at the end of a step
-    (or inside an evaluation) for the loop only. verbose=False: no output, no TensorBoard (tests).
-    """
+    """Run one training job as cfg (a TrainConfig) describes (one rank of it under torchrun); returns the
+    summary written to summary.json. verbose=False: no output, no TensorBoard (tests)."""
     t_start = time.perf_counter()
     dist = init_distributed(os.environ, cfg.device)
     device, out_dir = dist.device, Path(cfg.out_dir)
     ckpt_path = out_dir / CKPT_NAME
     guard = RunGuard(device, ckpt_path, dist.enabled, announce=verbose and dist.is_main)
     try:
-        # --- every check that can fail, before anything is written to out_dir ---------------------
-        micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank: the global batch stays
+        # --- every check that can fail, before anything is written to out_dir ---
+        micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank, for the config's global batch
         corpus = load_corpus(cfg.dataset, cfg.split, cfg.text_column)
         check_split_sizes(corpus, cfg.block_size)
         tok = corpus.tokenizer
@@ -68,8 +59,8 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         dtype = resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd))
         guard.float16, autocast = dtype == torch.float16, autocast_context(device, dtype)
         use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # where autocast is not
-        # --- data on the device (int32: half of int64), the model, optimizers and resumed state ---------
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        # --- data on the device (int32: half of int64), the model, optimizers and resumed state ---
         train_data, val_data = (torch.from_numpy(s.astype(np.int32)).to(device) for s in (corpus.train, corpus.val))
         torch.manual_seed(cfg.seed)
         batch_gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -78,7 +69,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         optimizers = configure_optimizers(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=guard.float16)
         start, best_val, history = restore(ckpt, optimizers, batch_gen, device) if ckpt else (0, math.inf, [])
-        if not dist.is_main:  # a checkpoint holds rank 0's streams: the others draw their own
+        if not dist.is_main:  # a checkpoint holds rank 0's streams
             torch.manual_seed(dist.seed(cfg.seed, start))
             batch_gen.manual_seed(dist.seed(cfg.seed, start))
         fwd = torch.compile(model) if use_compile else model  # checkpoints always come from `model`
@@ -92,29 +83,28 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
             except OSError as e:
                 raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); give "
                                  "another --out_dir") from None
-            remove_partial_saves(out_dir)  # temporary files of writes a killed run left behind
+            remove_partial_saves(out_dir)
             write_json(out_dir / "config.json", facts)
-        log = RunLog(cfg, model, device, peak_flops(device, cfg.peak_tflops), start, enabled=verbose and dist.is_main)
+        log = RunLog(cfg, model, peak_flops(device, cfg.peak_tflops), start, enabled=verbose and dist.is_main)
         log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, {tok.vocab_size} "
                  f"symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']}"
                  + (" compiled" if use_compile else "") + (f" | resumed at step {start}" if ckpt else "")
                  + (f" | {dist.world_size} processes" if dist.enabled else ""))
         if ckpt is None and ckpt_path.exists():
-            log.line(f"note: {ckpt_path} is from an earlier run; this run replaces it at its first save "
-                     "(--resume continues it instead)")
+            log.line(f"note: this run replaces {ckpt_path} at its first save (--resume continues it instead)")
         if device.type != "cuda" and verbose and dist.is_main:
             seconds, forward = estimated_seconds(model, cfg, start, len(val_data), device, autocast)
             log.line(f"estimated duration on this machine: {format_duration(seconds)} (one forward of a "
                      f"{cfg.batch_size}x{cfg.block_size} batch: {forward:.2f} s)")
             if seconds > LONG_RUN_SECONDS:
                 fast = os.path.relpath(CONFIGS / "shakespeare_char_cpu_fast.toml")
-                log.line(f"this is a GPU-sized run for this machine; for one that finishes in minutes: "
+                log.line(f"this is a GPU-sized run for this machine; one that finishes in minutes: "
                          f"python train.py {fast}")
         splits = {"train": train_data, "val": val_data}
         group = 1 if use_compile else max(1, EVAL_TOKENS_PER_FORWARD // (cfg.batch_size * cfg.block_size))
         guard.arm()
-        # --- the loop ------------------------------------------------------------------------------
-        stop, done = None, start  # the signal that stopped the run; optimizer steps completed
+        # --- the loop ---
+        stop, done = None, start  # the signal that stopped the run; steps completed
         for step in range(start, cfg.max_iters + 1):
             last_step = step == cfg.max_iters
             lr = set_lr(optimizers, step, cfg)
@@ -123,7 +113,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                     try:
                         losses = estimate_loss(fwd, splits, cfg.batch_size, cfg.block_size, cfg.eval_iters,
                                                cfg.seed + 1, device, autocast, group, guard.stopping, verbose)
-                    except Stopped:  # a signal inside the estimate: nothing of it is recorded
+                    except Stopped:  # nothing of this estimate is recorded
                         stop = guard.signum
                         break
                     if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
@@ -134,7 +124,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                     log.snapshot(step, model, tok.chars, corpus.val)
                     if losses["val"] < best_val or cfg.always_save_checkpoint:
                         best_val = min(best_val, losses["val"])
-                        if step > start or (step > 0 and ckpt is None):  # never rewrite the state resumed from
+                        if step > start or (step > 0 and ckpt is None):  # not the state resumed from
                             guard.check_before_save(model)
                             save_checkpoint(ckpt_path, training_state(model, optimizers, cfg, tok, step, best_val,
                                                                       batch_gen, history))
@@ -150,7 +140,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
             grad_norm = None
             if cfg.grad_clip > 0:
                 for opt in optimizers:
-                    scaler.unscale_(opt)  # the true gradients, before they are clipped
+                    scaler.unscale_(opt)  # clip the true gradients
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             for opt in optimizers:
                 scaler.step(opt)
@@ -159,16 +149,16 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                 opt.zero_grad(set_to_none=True)
             done = step + 1
             log_step = step % cfg.log_interval == 0 or step == cfg.max_iters - 1
-            stop = guard.poll(sync=log_step)  # raises on a non-finite loss since the last check
+            stop = guard.poll(sync=log_step)  # raises on a non-finite loss
             log.step_done(step, loss, lr, grad_norm, log_step)
             if stop is not None:
                 break
-        # --- the exact val loss over the whole split (skipped when stopped), and the summary ----------
+        # --- the exact val loss (skipped when stopped), and the summary ---
         final_val = None
         if cfg.exact_val and stop is None and dist.is_main:
             try:
                 with log.paused(device):
-                    windows = max(cfg.batch_size, EVAL_TOKENS_PER_FORWARD // cfg.block_size)  # per forward
+                    windows = max(cfg.batch_size, EVAL_TOKENS_PER_FORWARD // cfg.block_size)
                     final_val = exact_loss(model, val_data, cfg.block_size, windows, device, autocast, guard.stopping,
                                            verbose)
                 log.line(f"exact val loss over all {len(val_data) - 1:,} val targets: {final_val:.4f} "
@@ -183,12 +173,8 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                                                          history), "interrupted": interrupted})
             log.line(f"interrupted by {interrupted} after {done} steps: saved {ckpt_path} at step {done}; run the "
                      "same command with --resume to continue")
-        summary = log.summary(best_val_loss=best_val, final_val_loss=final_val,
-                              final_val_bpc=None if final_val is None else bpc(final_val),
-                              last_val_estimate=history[-1]["val_loss"] if history else None, steps=done,
-                              wall_seconds=time.perf_counter() - t_start, params=model.num_params(),
-                              device=str(device), dtype=facts["dtype"], peak_memory_mb=peak_memory_mb(device),
-                              world_size=dist.world_size, interrupted=interrupted, history=history)
+        summary = log.summary(facts, history, best_val_loss=best_val, final_val_loss=final_val, steps=done,
+                              wall_seconds=time.perf_counter() - t_start, interrupted=interrupted)
         log.finish(summary, done, interrupted)
         return summary
     finally:
@@ -197,8 +183,8 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
 
 
 def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
-    """argv, with the recipe for this machine's device in front when no config file is given, and the
-    line that says which and why (None when argv names a config)."""
+    """argv with the recipe for this machine's device in front when it names no config file, and the line
+    that says which and why (None when argv names a config)."""
     if argv and not argv[0].startswith("--"):
         return argv, None
     only_device = argparse.ArgumentParser(add_help=False)
@@ -217,10 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         try:
             print(help_text(), flush=True)
-        except BrokenPipeError:  # `python train.py --help | head`: the reader went away
+        except BrokenPipeError:  # `python train.py --help | head`
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    quiet = launched_by_torchrun(os.environ) and os.environ.get("LOCAL_RANK") != "0"  # say errors once per node
+    quiet = launched_by_torchrun(os.environ) and os.environ.get("LOCAL_RANK") != "0"  # errors once per node
     try:
         argv, why = with_recipe(argv)
         cfg = parse_args(argv)

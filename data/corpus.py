@@ -1,11 +1,4 @@
-"""Text -> character tokens -> train/val splits -> random (x, y) batches.
-
-The label shift happens here and only here, in inputs_and_targets: y is x moved one token to the
-left, so y[:, t] is the token that follows x[:, t]. Training batches and the exact val loss both cut
-their windows with it; the model scores position t against y[:, t] without shifting again.
-"""
-
-from __future__ import annotations
+"""Text -> character tokens -> train/val splits -> (x, y) batches, y shifted in inputs_and_targets only."""
 
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -16,12 +9,12 @@ from torch import Tensor
 
 from .text import load_text
 
-TRAIN_FRACTION = 0.9  # first 90 % train, last 10 % val: nanoGPT's split, so losses compare
+TRAIN_FRACTION = 0.9  # nanoGPT's split, so losses compare
 TOKEN_DTYPE = np.uint16  # 65,536 symbols at most
 
 
 class CharTokenizer:
-    """One token per distinct character, ids in the order given (sorted, as nanoGPT's)."""
+    """One token per character, ids in the order given (encode_corpus sorts them, as nanoGPT does)."""
 
     def __init__(self, chars: Iterable[str]) -> None:
         self.chars: list[str] = list(chars)
@@ -33,28 +26,24 @@ class CharTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """V: ids are 0..V-1."""
         return len(self.chars)
 
     def encode(self, text: str) -> list[int]:
         """str -> ids; characters outside the vocabulary raise a ValueError naming them."""
-        unknown = set(text) - self.stoi.keys()
-        if unknown:
-            raise ValueError(f"characters not in the vocabulary: {', '.join(map(repr, sorted(unknown)))}")
-        return [self.stoi[c] for c in text]
+        return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """Like encode, vectorised over code points (a whole corpus in milliseconds): (N,) uint16."""
+        """encode, vectorised: (N,) uint16."""
         codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        table = np.full(max(codes.max(initial=0), max(map(ord, self.chars))) + 1, -1, dtype=np.int64)
+        table = np.full(0x110000, -1, dtype=np.int32)  # id by code point, -1: not in the vocabulary
         table[[ord(c) for c in self.chars]] = np.arange(self.vocab_size)
         ids = table[codes]
         if (ids < 0).any():
-            self.encode(text)  # raises, naming the unknown characters
+            unknown = ", ".join(repr(chr(c)) for c in np.unique(codes[ids < 0]))
+            raise ValueError(f"characters not in the vocabulary: {unknown}")
         return ids.astype(TOKEN_DTYPE)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """ids -> str."""
         return "".join(self.chars[int(i)] for i in ids)
 
     def to_dict(self) -> dict:
@@ -62,7 +51,7 @@ class CharTokenizer:
         return {"chars": list(self.chars)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> CharTokenizer:
+    def from_dict(cls, d: dict) -> "CharTokenizer":
         """The tokenizer to_dict described."""
         if not isinstance(d, dict) or not isinstance(d.get("chars"), list):
             raise ValueError("a tokenizer dict needs a 'chars' list")
@@ -96,12 +85,12 @@ def encode_corpus(text: str, name: str) -> Corpus:
 
 
 def load_corpus(dataset: str, split: str = "", text_column: str = "") -> Corpus:
-    """encode_corpus of data.text.load_text(dataset, split, text_column)."""
+    """encode_corpus of load_text(dataset, split, text_column)."""
     return encode_corpus(*load_text(dataset, split, text_column))
 
 
 def check_split_sizes(corpus: Corpus, block_size: int) -> None:
-    """Both splits must hold one window of block_size + 1 tokens (the inputs and the next-token targets)."""
+    """Both splits must hold one window of block_size + 1 tokens (the inputs and their targets)."""
     for split, data in (("train", corpus.train), ("val", corpus.val)):
         if len(data) < block_size + 1:
             fits = min(len(corpus.train), len(corpus.val)) - 1
@@ -113,15 +102,9 @@ def check_split_sizes(corpus: Corpus, block_size: int) -> None:
 
 def get_batch(data: np.ndarray | Tensor, batch_size: int, block_size: int,
               generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """Random windows of data as inputs and next-token targets.
+    """x, y (B, T) int64 at random offsets i: x[b] = data[i : i + T], y[b] = data[i + 1 : i + 1 + T].
 
-    Args:
-        data: (N,) token ids, numpy or a tensor (a tensor on the GPU is gathered there).
-        batch_size, block_size: B, T.
-        generator: RNG for the window offsets (on data's device for a tensor, else the CPU).
-    Returns:
-        x: (B, T) int64, x[b] = data[i : i + T]; y: (B, T) int64, y[b] = data[i + 1 : i + 1 + T].
-    """
+    data: (N,) numpy or a tensor (gathered on its device); generator: on that device or the CPU."""
     n = len(data)
     if n < block_size + 1:
         raise ValueError(f"data has {n} tokens; a batch needs at least block_size + 1 = {block_size + 1}")
@@ -131,17 +114,15 @@ def get_batch(data: np.ndarray | Tensor, batch_size: int, block_size: int,
         chunk = data[offsets.to(data.device)[:, None] + torch.arange(block_size + 1, device=data.device)].long()
     else:
         chunk = torch.from_numpy(data[offsets.numpy()[:, None] + np.arange(block_size + 1)].astype(np.int64))
-    return inputs_and_targets(chunk.to(device, non_blocking=True))  # (B, T + 1) -> 2 x (B, T)
+    return inputs_and_targets(chunk.to(device, non_blocking=True))
 
 
 def inputs_and_targets(windows: Tensor) -> tuple[Tensor, Tensor]:
-    """The label shift, the one place it happens: windows (B, T + 1) of consecutive tokens -> x (B, T) =
-    windows[:, :-1] and y (B, T) = windows[:, 1:], so y[:, t] is the token after x[:, t]."""
+    """The label shift: windows (B, T + 1) -> x = windows[:, :-1], y = windows[:, 1:], (B, T) each."""
     return windows[:, :-1], windows[:, 1:]
 
 
 def eval_windows(data: np.ndarray | Tensor, block_size: int) -> list[tuple[int, int]]:
-    """Consecutive (start, length) windows whose targets cover data[1:] exactly once, in order; the last
-    one is shorter when N - 1 is not a multiple of block_size."""
+    """(start, length) windows whose targets cover data[1:] once, in order; the last may be shorter."""
     n_targets = len(data) - 1
     return [(s, min(block_size, n_targets - s)) for s in range(0, n_targets, block_size)]

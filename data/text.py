@@ -1,24 +1,21 @@
 """Where the text comes from: the bundled Tiny Shakespeare, a UTF-8 file, a folder of .txt files, or a
 Hugging Face dataset (`hf:NAME[:SPLIT]`, through `datasets`)."""
 
-from __future__ import annotations
-
 import hashlib
 import os
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-# Tiny Shakespeare (public domain), shipped with the code: the default corpus needs no network.
+# Tiny Shakespeare (public domain) ships with the code: the default corpus needs no network
 SHAKESPEARE = Path(__file__).resolve().parent.parent / "corpora" / "tinyshakespeare.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-# local data files `datasets` reads, by suffix -> its builder
 HF_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
-SPLIT_ORDER = {"train": 0, "validation": 1, "test": 2}  # a corpus cut into splits reads back in order
+SPLIT_ORDER = {"train": 0, "validation": 1, "test": 2}  # so val, the last 10 %, is held out
 
 
 def decode_utf8(raw: bytes, name: str) -> str:
-    """bytes -> str, or a ValueError naming the file, the first bad byte, and how to convert the file."""
+    """bytes -> str, or a ValueError naming the file, the first bad byte and how to convert the file."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -27,13 +24,7 @@ def decode_utf8(raw: bytes, name: str) -> str:
 
 
 def load_text(dataset: str, split: str = "", text_column: str = "") -> tuple[str, str]:
-    """The config's `dataset` as (text, a name for messages).
-
-    Args:
-        dataset: "shakespeare_char" (the bundled file, checked against its sha256), "hf:NAME[:SPLIT]",
-            a UTF-8 text file, or a folder of .txt files (concatenated in path order, hidden ones skipped).
-        split, text_column: for hf: datasets only ('' = every split / 'text' or the only string column).
-    """
+    """(text, name) of shakespeare_char, hf:NAME[:SPLIT], a UTF-8 file or a folder's .txt files (sorted, not hidden)."""
     if dataset == "shakespeare_char":
         raw = SHAKESPEARE.read_bytes()
         if hashlib.sha256(raw).hexdigest() != SHAKESPEARE_SHA256:
@@ -54,65 +45,53 @@ def load_text(dataset: str, split: str = "", text_column: str = "") -> tuple[str
     raise ValueError(f"dataset={dataset!r} is neither 'shakespeare_char', 'hf:NAME', an existing file nor a folder")
 
 
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face Hub answers a TCP connection within `timeout` seconds."""
+def hub_reachable() -> bool:
+    """Whether the Hugging Face Hub (HF_ENDPOINT) accepts a TCP connection within 3 s."""
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        socket.create_connection((url.hostname, url.port or 443), timeout=3.0).close()
         return True
     except OSError:
         return False
 
 
 def hf_text(spec: str, split: str, text_column: str) -> tuple[str, str]:
-    """A Hugging Face dataset's text column, every split concatenated (train, validation, test first)
-    unless one is named. NAME is a save_to_disk directory, a data file, a folder of data files, or a
-    hub id (downloaded once into the Hugging Face cache). Offline, hub ids are read from that cache:
-    the Hub is probed once, in seconds, instead of retried for half a minute."""
+    """The text column of a save_to_disk folder, data file(s) or hub id; all splits in SPLIT_ORDER unless one."""
     name, _, spec_split = spec.partition(":")
     if split and spec_split and split != spec_split:
         raise ValueError(f"dataset=hf:{spec} names split {spec_split!r} but config field split={split!r}")
-    split = split or spec_split or None
+    split = split or spec_split
     path = Path(name).expanduser()
-    if not path.exists() and (name.startswith((".", "/", "~")) or path.suffix in HF_BUILDERS):
-        raise ValueError(f"dataset=hf:{name}: no such file or directory")
     if not path.exists() and not hub_reachable():
-        os.environ["HF_HUB_OFFLINE"] = "1"  # read before `datasets` is imported: the cache only, no retries
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError("dataset 'hf:...' needs the `datasets` package: pip install datasets") from None
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read when `datasets` is imported: the cache only, not 20 s of retries
+    import datasets
+
+    text_files = path.suffix == ".txt" or path.is_dir() and any(path.rglob("*.txt"))
+    options = {"keep_linebreaks": True} if text_files else {}
     try:
         if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
             ds = datasets.load_from_disk(str(path))
-            if split is not None:
-                if not isinstance(ds, datasets.DatasetDict) or split not in ds:
-                    raise ValueError(f"it has no split {split!r}")
-                ds = ds[split]
         elif path.is_file():
             if path.suffix not in HF_BUILDERS:
                 raise ValueError(f"expected a {', '.join(HF_BUILDERS)} file; for plain text drop the hf: prefix")
-            options = {"keep_linebreaks": True} if path.suffix == ".txt" else {}
-            ds = datasets.load_dataset(HF_BUILDERS[path.suffix], data_files=str(path), split=split, **options)
-        else:  # a folder of data files or a hub id: datasets infers the format and the splits
-            options = {"keep_linebreaks": True} if path.is_dir() and any(path.rglob("*.txt")) else {}
-            ds = datasets.load_dataset(str(path.resolve()) if path.exists() else name, split=split, **options)
+            ds = datasets.load_dataset(HF_BUILDERS[path.suffix], data_files=str(path), **options)
+        else:  # datasets infers the format and the splits
+            ds = datasets.load_dataset(str(path.resolve()) if path.exists() else name, **options)
     except ConnectionError as e:
-        raise ConnectionError(f"could not load hf:{name} ({e}). Offline? Pass a local copy instead: a folder "
-                              "written by save_to_disk, a data file or a folder of them as hf:PATH, or plain "
-                              "UTF-8 text as --dataset=PATH") from None
+        raise ConnectionError(f"could not load hf:{name} ({e}). Offline? Pass a local copy instead: a folder written "
+                              "by save_to_disk or data files as hf:PATH, or UTF-8 text as --dataset=PATH") from None
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the message names the dataset
         cause = e.__cause__ or e
         raise ValueError(f"dataset=hf:{name}: {type(cause).__name__}: {cause}") from None
-    parts = [ds] if isinstance(ds, datasets.Dataset) else \
-        [ds[s] for s in sorted(ds, key=lambda s: (SPLIT_ORDER.get(s, len(SPLIT_ORDER)), s))]
-    texts = []
-    for part in parts:
-        strings = [c for c, f in part.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
-        column = text_column or ("text" if "text" in strings else strings[0] if len(strings) == 1 else None)
-        if column not in strings:
-            given = f"text_column={text_column!r} is not among them; " if text_column else ""
-            raise ValueError(f"hf:{name}: {given}set text_column to one of its string columns {strings} "
-                             f"(it has {part.column_names})")
-        texts.extend(t for t in part[column] if t is not None)
-    return "".join(texts), f"hf:{name}" + (f":{split}" if split else "")
+    splits = ds if isinstance(ds, datasets.DatasetDict) else {}
+    if split and split not in splits:
+        raise ValueError(f"dataset=hf:{name} has no split {split!r}; it has {list(splits) or 'none'}")
+    if splits:
+        order = [split] if split else sorted(splits, key=lambda s: (SPLIT_ORDER.get(s, 3), s))
+        ds = datasets.concatenate_datasets([splits[s] for s in order])
+    strings = [c for c, f in ds.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+    column = text_column or ("text" if "text" in strings else strings[0] if len(strings) == 1 else None)
+    if column not in strings:
+        raise ValueError(f"hf:{name}: set text_column to one of its string columns {strings}"
+                         + (f", not {text_column!r}" if text_column else ""))
+    return "".join(t for t in ds[column] if t is not None), f"hf:{name}" + (f":{split}" if split else "")

@@ -1,13 +1,10 @@
 """Causal multi-head self-attention, written out step by step.
 
-Shapes, in every comment of this package: B batch, T sequence (queries when training), Tq queries and
-Tk keys (Tk >= Tq when decoding against a cache), C width (n_embd), H heads, D = C // H head width,
-V vocabulary.
+Shapes, in every comment of this package: B batch, T sequence, Tq queries and Tk keys (Tk >= Tq when
+decoding against a cache), C width (n_embd), H heads, D = C // H head width, V vocabulary.
 
-`causal_mask` decides which key each query may read, and is the only place that decides it: every
-backend, the KV cache, the loss and the attention maps obey the mask it builds. `attention` is the
-whole mechanism, softmax(Q Kᵀ / √D + M) V, in five visible steps. `CausalSelfAttention` wraps it with
-the projections and the head bookkeeping.
+`causal_mask` is the one place that decides which key each query may read: every backend, the KV cache,
+the loss and the attention maps obey it. `attention` is softmax(Q Kᵀ / √D + M) V in five visible steps.
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ from torch import Tensor, nn
 def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> Tensor:
     """Which keys each query may read: key j is allowed for query i iff j <= i + (Tk - Tq).
 
-    The offset aligns the Tq queries with the *last* Tq keys, so one function serves training (Tq == Tk:
-    the lower triangle) and decoding (Tq new queries against a history of Tk keys ending with theirs).
-    Returns allowed: bool (Tq, Tk), True = this query may read this key.
+    The offset aligns the Tq queries with the last Tq keys: Tq == Tk in training (the lower triangle),
+    Tq new queries against a cache of Tk keys when decoding. Returns allowed: bool (Tq, Tk).
     """
     if Tq < 1 or Tk < Tq:
         raise ValueError(f"causal_mask needs 1 <= Tq <= Tk, got Tq={Tq}, Tk={Tk}")
@@ -34,12 +30,11 @@ def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> T
 
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """M, what the scores are added to: 0 where a key is allowed, -inf where not (allowed's shape).
+    """M, added to the scores: 0 where a key is allowed, -inf where not (allowed's shape).
 
-    -inf, not a large negative number: exp(-inf) is exactly 0 in every dtype, while a finite fill
-    (-1e4, -1e9) loses to a score below it, or overflows float16. A query row allowing no key (its
-    softmax would be 0/0 = NaN) is refused here, once per forward, for CPU masks outside torch.compile:
-    on a GPU the check would stall the device; there the NaN loss stops training at the next log step.
+    -inf, not -1e9: exp(-inf) is exactly 0 in every dtype, while a finite fill loses to a lower score or
+    overflows float16. A query that may read no key (0/0 = NaN) is refused for CPU masks outside
+    torch.compile; on a GPU the check would stall the device, and the NaN loss stops the run instead.
     """
     if allowed.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(allowed.any(-1).all()):
         query = (~allowed.any(-1)).nonzero()[0, -1].item()
@@ -54,12 +49,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
 
     Args:
         q: (B, H, Tq, D); k: (B, H, Tk, D); v: (B, H, Tk, Dv).
-        mask: M from additive_mask, broadcastable to (B, H, Tq, Tk), or a bool `allowed` mask; None: every
-            query reads every key.
-        dropout_p: probability of dropping an attention weight (the caller passes 0 in eval mode).
+        mask: M from additive_mask or a bool `allowed`, broadcastable to (B, H, Tq, Tk); None: no mask.
+        dropout_p: probability of dropping an attention weight (0 in eval mode).
     Returns:
-        out (B, H, Tq, Dv), and weights (B, H, Tq, Tk) after the mask and the softmax (before dropout):
-        rows sum to 1, masked keys are exactly 0.
+        out (B, H, Tq, Dv), and weights (B, H, Tq, Tk) after mask and softmax, before dropout.
     """
     B, H, Tq, D = q.shape
     Tk = k.size(2)
@@ -69,11 +62,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
         mask = additive_mask(mask, q.dtype)
     # 1. + 2. scores = Q Kᵀ / √D + M in one matmul: the scale keeps the logits' variance ~1, and M, added
     # BEFORE the softmax, makes every masked score -inf. (baddbmm takes 3-D stacks: heads join the batch.)
-    M = mask.broadcast_to(B, H, Tq, Tk).reshape(B * H, Tq, Tk)  # a view unless the mask differs per row
+    M = mask.broadcast_to(B, H, Tq, Tk).reshape(B * H, Tq, Tk)  # a view for a (Tq, Tk) mask
     scores = torch.baddbmm(M, q.reshape(B * H, Tq, D), k.reshape(B * H, Tk, D).transpose(1, 2),
                            alpha=1.0 / math.sqrt(D))  # (B*H, Tq, Tk)
-    # 3. softmax over the KEY axis: each query spreads one unit of attention over the keys (PyTorch
-    # computes a half-precision softmax in float32 inside the kernel: exp() cannot overflow)
+    # 3. softmax over the KEY axis: each query spreads one unit of attention over the keys (half
+    # precision is computed in float32 inside the kernel)
     weights = torch.softmax(scores, dim=-1).view(B, H, Tq, Tk)
     # 4. dropout on the weights that are already masked: it can zero a weight, never re-admit a key
     dropped = F.dropout(weights, dropout_p)
@@ -82,17 +75,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
 
 
 def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
-    """Rotate each channel pair (2i, 2i + 1) of x (B, H, T, D) by its position's angle: the pair read as
-    a complex number times freqs (T, D/2) complex. A query at m and a key at n then score q_m . k_n as a
-    function of m - n only. Returns x's shape and dtype."""
+    """Rotary positions: each channel pair of x (B, H, T, D), read as a complex number, times freqs (T, D/2)
+    complex, so q_m . k_n depends on m - n only. Returns x's shape and dtype."""
     pairs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # complex needs float32/64
     z = torch.view_as_complex(pairs.reshape(*x.shape[:-1], -1, 2))  # (B, H, T, D/2)
     return torch.view_as_real(z * freqs).reshape(x.shape).to(x.dtype)
 
 
 class KVCache:
-    """Keys and values of earlier positions, per layer, preallocated to max_len positions so a decoding
-    step writes in place instead of concatenating (which would copy the whole history every token)."""
+    """Keys and values of earlier positions, per layer, preallocated to max_len positions: a decoding step
+    writes in place instead of copying the history."""
 
     def __init__(self, n_layer: int, B: int, H: int, max_len: int, D: int, device: torch.device | str,
                  dtype: torch.dtype) -> None:
@@ -114,9 +106,8 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: qkv projection, split heads, attend, merge heads, project.
 
-    backend "manual" runs `attention` above (the from-scratch path); "sdpa" runs PyTorch's fused
-    scaled_dot_product_attention with the same mask. With keep_weights set (the visualiser does), the
-    last forward's attention weights stay in `weights`, from the manual path whatever the backend.
+    backend "manual" runs `attention` above; "sdpa" runs PyTorch's fused kernel with the same mask. With
+    keep_weights set (the visualiser does), `weights` keeps the last forward's, from the manual path.
     """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, backend: str, qk_norm: bool,
@@ -129,8 +120,8 @@ class CausalSelfAttention(nn.Module):
         self.weights: Tensor | None = None
 
     def forward(self, x: Tensor, mask: Tensor, rope: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
-        """x (B, T, C) -> (B, T, C). mask: additive (T, Tk), Tk = T, or cache.length + T with a cache (whose
-        slot `layer` gets this forward's keys and values); rope: (T, D/2) rotations, None for a learned table."""
+        """x (B, T, C) -> (B, T, C). mask: additive (T, Tk), Tk = cache.length + T with a cache (slot `layer`
+        gets this forward's keys and values); rope: (T, D/2) rotations, None with a learned table."""
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # split into heads: 3 x (B, H, T, D)
@@ -151,8 +142,8 @@ class CausalSelfAttention(nn.Module):
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
-    """The sdpa backend, with causal_mask's additive mask: (B, H, Tq, D) -> (B, H, Tq, D) in q's dtype.
-    On a CPU, bf16 runs in float32: its bf16 backward is ~9x slower at these sizes (benchmarks/RESULTS.md)."""
+    """The sdpa backend with causal_mask's additive mask: (B, H, Tq, D) -> (B, H, Tq, D) in q's dtype.
+    On a CPU, bf16 runs in float32: its bf16 backward is far slower (benchmarks/RESULTS.md)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         with torch.autocast("cpu", enabled=False):
             return fused_attention(q.float(), k.float(), v.float(), mask.float(), dropout_p).to(q.dtype)

@@ -1,8 +1,7 @@
 """A decoder-only GPT: token (+ position) embeddings, pre-LayerNorm blocks, an LM head tied to the embedding.
 
-The defaults are GPT-2's (and nanoGPT's). Two later techniques are options of a few lines each, the
-winners of the fast recipes' ablation (benchmarks/RESULTS.md): rotary positions and QK normalisation.
-Shapes use the glossary in model/attention.py (B, T, C, H, D, V).
+GPT-2's (and nanoGPT's) defaults, plus two options the fast recipes use: rotary positions and QK
+normalisation. Shapes use the glossary in model/attention.py.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ POS_EMBS = ("learned", "rope")
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    """Architecture of a GPT. Frozen so a model's shape cannot drift after it is built."""
+    """Architecture of a GPT, validated when built."""
 
     vocab_size: int
     block_size: int = 256  # longest context
@@ -32,10 +31,10 @@ class GPTConfig:
     n_head: int = 6
     n_embd: int = 384
     dropout: float = 0.0
-    bias: bool = False  # biases in Linear and LayerNorm; nanoGPT's char recipes train without
+    bias: bool = False  # biases in Linear and LayerNorm
     attn_backend: str = "manual"  # "manual": from scratch; "sdpa": PyTorch's fused kernel, same mask
     pos_emb: str = "learned"  # "rope": rotate q and k by their position instead of adding a table
-    qk_norm: bool = False  # RMS-normalise q and k per head: the logits stay bounded at a high lr
+    qk_norm: bool = False  # RMS-normalise q and k per head: bounded logits at a high lr
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -100,7 +99,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # weight tying: one matrix in and out
-        self.apply(self._init_weights)  # GPT-2's init, drawn in nanoGPT's order (its runs reproduce)
+        self.apply(self._init_weights)  # GPT-2's init, in nanoGPT's order: its runs reproduce
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):  # residual projections: the stream's variance stays put with depth
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
@@ -117,8 +116,7 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, T: int | None = None) -> float:
-        """Training FLOPs per token, as nanoGPT and PaLM count them (for MFU): 6 per weight outside the
-        position table, plus 12 * n_layer * n_embd * T for the scores and the weighted values."""
+        """Training FLOPs per token for MFU, counted as nanoGPT and PaLM do."""
         T = T or self.config.block_size
         N = self.num_params() - (self.pos_emb.weight.numel() if self.pos_emb is not None else 0)
         return 6 * N + 12 * self.config.n_layer * self.config.n_embd * T
@@ -127,8 +125,8 @@ class GPT(nn.Module):
                 cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) -> logits (B, T, V) and, given targets (B, T), their mean cross-entropy (else None).
 
-        targets[:, t] is the token that FOLLOWS idx[:, t] (data.inputs_and_targets shifted them, once). With a
-        cache, idx are the T positions after its cache.length ones, and their keys and values join it.
+        targets[:, t] is the token that FOLLOWS idx[:, t] (data shifted them, once). With a cache, idx are
+        the T positions after its cache.length ones, and their keys and values join it.
         """
         B, T = idx.shape
         start = cache.length if cache is not None else 0
@@ -143,8 +141,7 @@ class GPT(nn.Module):
         else:  # per forward, not a buffer: Module.to(dtype) would drop a complex buffer's imaginary part
             rope = rope_frequencies(positions, self.config.n_embd // self.config.n_head, dtype=x.dtype)
         x = F.dropout(x, self.config.dropout, self.training)
-        # (T, Tk), built once per forward for every layer, and afresh each time: an edit of causal_mask
-        # reaches an existing model at once
+        # (T, Tk), once per forward for every layer, built afresh: an edit of causal_mask reaches any model
         mask = additive_mask(causal_mask(T, start + T, device=idx.device), x.dtype)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
@@ -155,7 +152,7 @@ class GPT(nn.Module):
         return logits, loss
 
     def new_cache(self, B: int) -> KVCache:
-        """An empty KV cache for B sequences of up to block_size positions, on the model's device."""
+        """An empty KV cache for B sequences of up to block_size positions."""
         c, w = self.config, self.tok_emb.weight
         return KVCache(c.n_layer, B, c.n_head, c.block_size, c.n_embd // c.n_head, w.device, w.dtype)
 
@@ -170,10 +167,9 @@ class GPT(nn.Module):
                slide: int = 1) -> Iterator[Tensor]:
         """Sample max_new_tokens tokens after the prompt idx (B, T >= 1), yielding each (B,) as it is drawn.
 
-        The model reads a window of at most block_size tokens; with use_cache each step feeds only the newest
-        token. A full window drops its first `slide` tokens, which moves every other one, so the cache is then
-        rebuilt in one forward: slide=1 (nanoGPT's crop) rebuilds every step, slide=k once every k tokens.
-        use_cache=False recomputes the same windows: the same tokens. The rest are sample_next's options.
+        The model reads at most block_size tokens; with use_cache a step feeds only the newest. A full window
+        drops its first `slide` tokens and the cache is rebuilt: slide=1 (nanoGPT's crop) every step, slide=k
+        every k tokens. use_cache=False gives the same tokens. The rest are sample_next's options.
         """
         if idx.dim() != 2 or idx.size(1) < 1:
             raise ValueError(f"generate needs a (B, T>=1) prompt, got shape {tuple(idx.shape)}")
@@ -182,7 +178,7 @@ class GPT(nn.Module):
         block = self.config.block_size
         if isinstance(slide, bool) or not isinstance(slide, int) or not 1 <= slide <= block:
             raise ValueError(f"slide must be an integer in [1, block_size={block}], got {slide!r}")
-        context, cache = idx[:, -block:], None  # the window; the cache of its keys, while valid
+        context, cache = idx[:, -block:], None  # the window, and its keys' cache while valid
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits, _ = self(context)
@@ -200,8 +196,8 @@ class GPT(nn.Module):
 
 def rope_frequencies(positions: Tensor, head_dim: int, base: float = 10000.0,
                      dtype: torch.dtype = torch.float32) -> Tensor:
-    """e^(i * p * base^(-2i/D)) for every position p (T,) and channel pair i: (T, D/2) complex, its
-    angles in float64 for a float64 model and in float32 for every other."""
+    """e^(i * p * base^(-2i/D)) for positions p (T,) and channel pairs i: (T, D/2) complex, float64 angles
+    for a float64 model, float32 otherwise."""
     real = torch.float64 if dtype == torch.float64 else torch.float32
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=real, device=positions.device) / head_dim)
     angles = positions.to(real)[:, None] * inv_freq[None, :]  # (T, D/2)
@@ -220,8 +216,7 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = No
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    # float64, shifted so the largest is 0: a tiny temperature then sends the others to -inf instead
-    # of overflowing to +inf (and the softmax to NaN)
+    # float64, shifted so the largest is 0: a tiny temperature sends the rest to -inf, not +inf (NaN)
     logits = logits.double()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:

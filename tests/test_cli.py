@@ -144,8 +144,8 @@ def test_the_block_size_a_too_short_split_suggests_is_the_largest_that_fits(tmp_
 
 
 @pytest.mark.parametrize("argv, fragments", [
-    (["--temperature=-1"], ["--temperature must be a finite number >= 0"]),
-    (["--top_p=0"], ["--top_p must be in (0, 1]"]),
+    (["--temperature=-1"], ["temperature must be a finite number >= 0, got -1.0"]),
+    (["--top_p=0"], ["top_p must be in (0, 1], got 0.0"]),
     (["--num_samples=0"], ["--num_samples must be >= 1"]),
     (["--prompt=a", "--prompt_file=prompt.txt"], ["--prompt or --prompt_file, not both"]),
     (["--prompt=RZ"], ["characters not in the vocabulary: 'Z'"]),  # R is in it, so only Z is named

@@ -1,19 +1,7 @@
-"""Checkpoints, both directions: what one holds, how it is written and read, and how a run resumes.
-
-A checkpoint is a dict of tensors and plain data, read with weights_only=True:
-    format        "gpt-char-ckpt/1", so a file that is not ours is recognised
-    model         state_dict of the uncompiled, unwrapped module (no "_orig_mod." prefixes)
-    model_config, config, vocab   plain dicts (GPTConfig, TrainConfig, CharTokenizer)
-    optimizers, step, best_val_loss, rng, history   what --resume needs to continue the same run
-    interrupted   the signal name, only when a signal stopped the run
-Every file of a run is written to a temporary file beside it and renamed over it, so a crash or a
-kill at any moment leaves the old file or the new one, never a torn one.
-"""
-
-from __future__ import annotations
+"""Checkpoints: what one holds (training_state, plus "interrupted": the stopping signal's name), how it is
+written and read (weights_only=True), and how a run resumes."""
 
 import json
-import math
 import os
 import pickle
 import uuid
@@ -33,16 +21,11 @@ RESUME_MAY_CHANGE = ("dropout", "attn_backend")  # neither changes the weights o
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object], fsync: bool = False) -> None:
-    """write(f) into a temporary file beside path, then rename it over path (atomic in a filesystem).
-
-    The temporary file is `.NAME.*.tmp`, made with open(), so it gets the umask's permissions; a failed
-    write removes it and leaves the old file as it was; one a killed process left is removed by
-    remove_partial_saves. fsync: flush to the disk before the rename, and the rename after it.
-    """
+    """write(f) into `.NAME.*.tmp` beside path, then rename it over path (durably if fsync): old file or new."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with open(tmp, "xb") as f:
+        with open(tmp, "xb") as f:  # open(), not mkstemp: the umask's permissions
             write(f)
             if fsync:
                 f.flush()
@@ -60,27 +43,23 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object], fsync: b
 
 
 def json_safe(value: Any) -> Any:
-    """value with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    return [json_safe(v) for v in value] if isinstance(value, list) else value
+    """value as plain JSON data, non-finite floats as None (strict JSON has no NaN or Infinity)."""
+    return json.loads(json.dumps(value), parse_constant=lambda _: None)
 
 
 def write_json(path: str | Path, value: Any) -> None:
-    """value as strict JSON (non-finite floats as null), written atomically."""
+    """value as strict JSON, written atomically."""
     write_atomic(path, lambda f: f.write(json.dumps(json_safe(value), indent=2).encode()))
 
 
 def remove_partial_saves(out_dir: str | Path) -> None:
-    """Delete the temporary files that writes killed mid-way left in out_dir (never read; tidying only)."""
+    """Delete the temporary files of writes killed mid-way."""
     for tmp in Path(out_dir).glob(".*.tmp"):
         tmp.unlink(missing_ok=True)
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write state to path atomically and durably; an OSError (disk full) says the old one is intact."""
+    """Write state to path atomically and durably."""
     try:
         write_atomic(path, lambda f: torch.save({"format": FORMAT, **state}, f), fsync=True)
     except OSError as e:
@@ -89,20 +68,12 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint with weights_only=True (no code in it can run), after checking every record's
-    CRC-32 (torch.load does not: a flipped byte would load as a silently wrong weight).
-
-    Raises:
-        ValueError: missing, a directory, truncated, corrupt, holding pickled objects, or not ours.
-    """
+    """Read a checkpoint with weights_only=True after checking every record's CRC-32 (torch.load does not)."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{path} is a directory, not a checkpoint file: give {path / CKPT_NAME}, or the "
-                         "directory as --out_dir")
+        raise ValueError(f"{path} is a directory, not a checkpoint: give {path / CKPT_NAME}")
     if not path.is_file():
-        where = "" if path.parent.is_dir() else f": the directory {path.parent} does not exist"
-        raise ValueError(f"no checkpoint at {path}{where}; train a model there first (python train.py), or "
-                         "give the --out_dir or --ckpt of a finished run")
+        raise ValueError(f"no checkpoint at {path}: train one (python train.py), or give another --out_dir or --ckpt")
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -113,78 +84,62 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{path} holds pickled objects other than tensors and plain data; refused, since "
-                         f"loading them could run code: {str(e).splitlines()[-1]}") from None
+        raise ValueError(f"{path} holds pickled objects other than tensors and plain data; refused (they could "
+                         f"run code): {str(e).splitlines()[-1]}") from None
     except Exception as e:  # noqa: BLE001 - torch raises several types for damaged archives
         raise ValueError(f"{path} is not a loadable checkpoint: {type(e).__name__}: {e}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path} is not a checkpoint written by this project (format {FORMAT})")
-    missing = [k for k in ("model", "model_config", "config", "vocab", "step") if k not in ckpt]
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {', '.join(missing)}")
     return ckpt
 
 
 def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cpu",
                           **overrides: Any) -> tuple[GPT, CharTokenizer]:
-    """The model and tokenizer a checkpoint holds; overrides replace GPTConfig fields that do not change
-    the weights' shapes (attn_backend, dropout)."""
-    tok = CharTokenizer.from_dict(ckpt["vocab"])
+    """The model and tokenizer a checkpoint holds; overrides: GPTConfig fields (dropout, attn_backend)."""
     try:
-        cfg = GPTConfig(**{**ckpt["model_config"], **overrides})
-        model = GPT(cfg)
+        model = GPT(GPTConfig(**{**ckpt["model_config"], **overrides}))
         model.load_state_dict(ckpt["model"])
     except (TypeError, RuntimeError) as e:
         raise ValueError(f"checkpoint model_config and weights do not describe one GPT: {e}") from None
-    if cfg.vocab_size != tok.vocab_size:
-        raise ValueError(f"checkpoint vocab_size {cfg.vocab_size} != its vocabulary's {tok.vocab_size}")
-    return model.to(device), tok
-
-
-def rng_state(batch_gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
-    """The random streams a resumed run must continue: dropout's (global, and CUDA's) and the batches'."""
-    state = {"torch": torch.get_rng_state(), "batch": batch_gen.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+    return model.to(device), CharTokenizer.from_dict(ckpt["vocab"])
 
 
 def training_state(model: GPT, optimizers: list[torch.optim.Optimizer], cfg: Any, tok: CharTokenizer, step: int,
                    best_val: float, batch_gen: torch.Generator, history: list[dict]) -> dict[str, Any]:
-    """What a checkpoint holds to continue a run from `step` (the optimizer steps taken so far)."""
+    """What a checkpoint holds to continue a run after `step` optimizer steps, random streams included."""
+    device = model.tok_emb.weight.device
+    rng = {"torch": torch.get_rng_state(), "batch": batch_gen.get_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
     return {"model": model.state_dict(), "model_config": model.config.to_dict(), "config": cfg.to_dict(),
             "vocab": tok.to_dict(), "optimizers": [o.state_dict() for o in optimizers], "step": step,
-            "best_val_loss": best_val, "rng": rng_state(batch_gen, model.tok_emb.weight.device),
-            "history": list(history)}
+            "best_val_loss": best_val, "rng": rng, "history": list(history)}
 
 
-def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer,
-                         device: torch.device) -> dict[str, Any]:
-    """The checkpoint --resume continues, refused before anything is written if it cannot be continued:
-    missing, another architecture or vocabulary, already past max_iters, or a finished run."""
+def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, device: torch.device) -> dict[str, Any]:
+    """The checkpoint --resume continues; a ValueError, before anything is written, if it cannot."""
     path = Path(cfg.out_dir) / CKPT_NAME
     if not path.exists():
-        raise ValueError(f"--resume: no checkpoint at {path} to continue from; without --resume the run "
-                         "starts afresh there")
+        raise ValueError(f"--resume: no checkpoint at {path}; without --resume the run starts afresh there")
     ckpt = load_checkpoint(path, map_location=device)
-    have, want = ckpt["model_config"], model_config.to_dict()
-    diff = [f"{k}: checkpoint {have.get(k)!r} vs config {v!r}" for k, v in want.items()
+    have = ckpt["model_config"]
+    diff = [f"{k}: checkpoint {have.get(k)!r} vs config {v!r}" for k, v in model_config.to_dict().items()
             if k not in RESUME_MAY_CHANGE and have.get(k) != v]
     if diff:
-        raise ValueError(f"cannot resume: the checkpoint's architecture differs ({'; '.join(diff)}). Drop "
-                         "--resume to start afresh, or give a new --out_dir to keep the old run")
+        raise ValueError(f"cannot resume: the architecture differs ({'; '.join(diff)}). Drop --resume to start "
+                         "afresh, or give a new --out_dir to keep the old run")
     theirs = CharTokenizer.from_dict(ckpt["vocab"])
     if theirs != tok:
-        only = sorted(set(theirs.chars) ^ set(tok.chars))
-        raise ValueError(f"cannot resume: the checkpoint was trained on another vocabulary ({theirs.vocab_size} "
-                         f"symbols, this corpus has {tok.vocab_size}; differing: {only[:10]}). Resume with the "
-                         "dataset it was trained on, or drop --resume")
-    if ckpt["step"] > cfg.max_iters:
-        raise ValueError(f"--resume: {path} is at step {ckpt['step']}, past max_iters={cfg.max_iters}; give "
-                         f"--max_iters > {ckpt['step']} to train on")
-    if ckpt["step"] == cfg.max_iters and not ckpt.get("interrupted") and (path.parent / "summary.json").exists():
-        raise ValueError(f"--resume: {path} is at step {ckpt['step']} = max_iters: the run is finished and its "
-                         f"figures are in {path.parent / 'summary.json'}; give --max_iters > {ckpt['step']}")
+        only = sorted(set(theirs.chars) ^ set(tok.chars))[:10]
+        raise ValueError(f"cannot resume: the checkpoint was trained on another vocabulary (differing: {only}). "
+                         "Resume with its dataset, or drop --resume")
+    step, summary = ckpt["step"], path.parent / "summary.json"
+    if step > cfg.max_iters:
+        raise ValueError(f"--resume: {path} is at step {step}, past max_iters={cfg.max_iters}; give "
+                         f"--max_iters > {step}")
+    if step == cfg.max_iters and not ckpt.get("interrupted") and summary.exists():
+        raise ValueError(f"--resume: {path} is at step {step} = max_iters: the run is finished (see {summary}); "
+                         f"give --max_iters > {step}")
     return ckpt
 
 

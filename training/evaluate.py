@@ -16,12 +16,12 @@ from data import eval_windows, get_batch, inputs_and_targets
 
 
 class Stopped(Exception):
-    """A stop signal arrived during an evaluation: it is abandoned, and nothing of it recorded."""
+    """A stop signal arrived during an evaluation, which is abandoned unrecorded."""
 
 
 @contextlib.contextmanager
 def evaluating(model: nn.Module) -> Iterator[nn.Module]:
-    """model in eval mode (no dropout) for the block, then back in its mode, even when the block raises."""
+    """model in eval mode for the block, then back in its previous mode, even when the block raises."""
     was_training = model.training
     model.eval()
     try:
@@ -31,7 +31,7 @@ def evaluating(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def _bar(total: int, desc: str, show: bool) -> tqdm:
-    # on a terminal, and only once an evaluation has taken 2 s: quick ones stay silent
+    # terminal only, after 2 s: quick evaluations stay silent
     return tqdm(total=total, desc=desc, unit="fwd", delay=2, leave=False, file=sys.stderr,
                 disable=None if show else True)
 
@@ -40,21 +40,11 @@ def _bar(total: int, desc: str, show: bool) -> tqdm:
 def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | Tensor], batch_size: int, block_size: int,
                   eval_iters: int, seed: int, device: torch.device | str, autocast=None, batches_per_forward: int = 1,
                   stop: Callable[[], bool] = lambda: False, show: bool = False) -> dict[str, float]:
-    """Mean loss over eval_iters random batches of each split, in eval mode.
-
-    The window draw is re-seeded with `seed` on every call, from a generator of its own: successive
-    estimates see the same windows (their differences measure the model) and training's batches are
-    untouched. batches_per_forward stacks that many batches into one forward: the same mean, and on a
-    CPU about half the time (benchmarks/RESULTS.md); a compiled model keeps 1, the training shape.
-
-    Args:
-        model: (idx (B, T), targets (B, T)) -> (logits, mean loss), as GPT.
-        splits: name -> (N,) token ids. batch_size, block_size: each batch's (B, T).
-        stop: polled before every forward; True raises Stopped. show: a progress bar when slow.
-    """
+    """Mean loss over eval_iters batches (B, T) of each split (N,); stop() true before a forward raises Stopped."""
     out = {}
     with evaluating(model), _bar(len(splits) * -(-eval_iters // batches_per_forward), "estimate", show) as bar:
         for name, data in splits.items():
+            # seeded on every call: every estimate sees the same windows and training's draw is untouched
             gen = torch.Generator(device=data.device if isinstance(data, Tensor) else "cpu").manual_seed(seed)
             total = torch.zeros((), device=device)
             for first in range(0, eval_iters, batches_per_forward):
@@ -75,24 +65,18 @@ def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | Tensor], batc
 def exact_loss(model: nn.Module, data: np.ndarray | Tensor, block_size: int, batch_size: int,
                device: torch.device | str, autocast=None, stop: Callable[[], bool] = lambda: False,
                show: bool = False) -> float:
-    """Mean cross-entropy over every target of a split exactly once, in order, in eval mode.
-
-    The split is cut into consecutive windows of block_size (eval_windows), batch_size per forward;
-    each target is predicted from the tokens before it in its window. Losses are summed in float64
-    from float32 logits and divided by the N - 1 targets.
-    """
+    """Mean cross-entropy over every target of a split (N,) once, each in its eval_windows window."""
     data = data if isinstance(data, Tensor) else torch.from_numpy(data.astype(np.int64))
     windows = eval_windows(data, block_size)
     full = torch.tensor([s for s, n in windows if n == block_size], dtype=torch.long)
-    chunks = [data[(full[i:i + batch_size, None] + torch.arange(block_size + 1)).to(data.device)]
-              for i in range(0, len(full), batch_size)]  # (b, T + 1) each
-    chunks += [data[s:s + n + 1][None] for s, n in windows if n < block_size]  # the short one at the end
+    chunks = [data[(s[:, None] + torch.arange(block_size + 1)).to(data.device)] for s in full.split(batch_size)]
+    chunks += [data[s:s + n + 1][None] for s, n in windows if n < block_size]  # (b, T + 1) each, the last shorter
     total = torch.zeros((), dtype=torch.float64, device=device)
     with evaluating(model), _bar(len(chunks), "exact val", show) as bar:
         for chunk in chunks:
             if stop():
                 raise Stopped
-            x, y = inputs_and_targets(chunk.long().to(device))  # (b, T) each: the next tokens
+            x, y = inputs_and_targets(chunk.long().to(device))  # (b, T) each
             with autocast or contextlib.nullcontext():
                 logits, _ = model(x)
             total += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1),

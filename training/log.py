@@ -1,13 +1,5 @@
-"""One logging path for a run: the progress line, TensorBoard, the training clock and the summary.
-
-TensorBoard (`tensorboard --logdir out`) gets, in the run's out_dir: scalars train/loss,
-train/loss_estimate, val/loss, val/bpc, val/loss_exact, val/bpc_exact, lr, grad_norm,
-tokens_per_second and mfu (where the device's peak is known); the text "sample" (a continuation of a
-newline at every eval); the images "attention/layer_L" (the first 32 val characters, every eval); and
-an HParams session named by out_dir, declared with the metrics and hparams that matter, marked done
-at the end. The writer starts with purge_step = this process's first step, so a resumed run replaces
-the points from that step on instead of drawing a second curve over them.
-"""
+"""One logging path for a run: the progress line, TensorBoard (scalars, a text sample, attention images,
+an HParams session named by out_dir), the training clock and the summary."""
 
 from __future__ import annotations
 
@@ -16,6 +8,7 @@ import json
 import math
 import sys
 import time
+import timeit
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,20 +22,21 @@ from model import GPT
 from .checkpoint import json_safe, write_json
 from .config import TrainConfig
 from .evaluate import evaluating
+from .runtime import peak_memory_mb
 from .visualize import prompt_attention, render_attention
 
 HPARAMS = ("n_layer", "n_embd", "n_head", "block_size", "optimizer", "pos_emb", "learning_rate", "max_iters")
 METRICS = ("val/loss", "val/loss_exact", "train/loss")
-ATTENTION_CHARS = 32  # the attention maps' prompt: 32 x 32 cells per head stay readable
+ATTENTION_CHARS = 32  # the attention prompt: 32 x 32 cells per head stay readable
 
 
 def bpc(loss: float) -> float:
-    """Bits per character: a loss in nats / ln 2, the unit of the character-level LM literature."""
+    """Bits per character: a loss in nats / ln 2."""
     return loss / math.log(2)
 
 
 def format_duration(seconds: float) -> str:
-    """3725 -> '1 h 2 min'."""
+    """3725 -> '62 min'."""
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
@@ -53,34 +47,22 @@ def format_duration(seconds: float) -> str:
 @torch.no_grad()
 def estimated_seconds(model: GPT, cfg: TrainConfig, start_step: int, n_val: int, device: torch.device,
                       autocast) -> tuple[float, float]:
-    """A run's duration from a timed eval-mode forward of a training batch (no RNG stream is touched):
-    a training step as 3 forwards (backward ~ 2), every eval and the exact val pass counted in forwards.
-    Returns (seconds, seconds of that forward)."""
+    """(seconds of the run, seconds of one forward), from timing a forward of a zero batch (B, T)."""
     x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=device)
-    times = []
     with evaluating(model), autocast:
-        for _ in range(2):  # the second: the first pays one-time costs
-            t0 = time.perf_counter()
-            model(x)
-            times.append(time.perf_counter() - t0)
-    forward = min(times)
+        forward = min(timeit.repeat(lambda: model(x), number=1, repeat=2))  # the first pays one-time costs
     steps = cfg.max_iters - start_step
-    evals = steps // cfg.eval_interval + 1
-    forwards = 3 * steps * cfg.gradient_accumulation_steps + 2 * evals * cfg.eval_iters
+    # a training step costs 3 forwards (backward ~ 2), an eval 2 * eval_iters
+    forwards = 3 * steps * cfg.gradient_accumulation_steps + 2 * (steps // cfg.eval_interval + 1) * cfg.eval_iters
     forwards += cfg.exact_val * n_val / (cfg.batch_size * cfg.block_size)
     return forward * forwards, forward
 
 
 class RunLog:
-    """The progress line `step | loss | lr | ms/step | tok/s`, TensorBoard, and the training clock.
+    """Progress line (a tqdm bar with an ETA on a terminal), TensorBoard and training clock; silent if not enabled."""
 
-    On a terminal the line is a tqdm bar (with an ETA); otherwise (CI, a log file) it is printed every
-    log step. enabled=False is silent and writes no events (tests, every rank but 0).
-    """
-
-    def __init__(self, cfg: TrainConfig, model: GPT, device: torch.device, peak: float | None, initial: int,
-                 enabled: bool = True) -> None:
-        self.cfg, self.enabled, self.initial, self.peak = cfg, enabled, initial, peak
+    def __init__(self, cfg: TrainConfig, model: GPT, peak: float | None, initial: int, enabled: bool = True) -> None:
+        self.cfg, self.enabled, self.peak = cfg, enabled, peak
         self.tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
         self.flops_per_token = model.flops_per_token(cfg.block_size)
         self.interactive = enabled and sys.stderr.isatty()
@@ -93,8 +75,7 @@ class RunLog:
             from tensorboard.plugins.hparams import summary_v2 as hp
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=cfg.out_dir, purge_step=initial)
-            # the HParams tab: which hparams and metrics to show, and this run's session, named by out_dir
+            self.writer = SummaryWriter(log_dir=cfg.out_dir, purge_step=initial)  # a resume replaces what it replays
             self.writer.file_writer.add_summary(hp.hparams_config_pb(
                 hparams=[hp.HParam(n) for n in HPARAMS], metrics=[hp.Metric(m) for m in METRICS]))
             self.writer.file_writer.add_summary(hp.hparams_pb(json_safe(cfg.to_dict()), trial_id=cfg.out_dir))
@@ -117,17 +98,13 @@ class RunLog:
         finally:
             self._mark = time.perf_counter()
 
-    def elapsed(self) -> float:
-        """Training seconds so far (evaluations excluded)."""
-        return self.train_seconds + time.perf_counter() - self._mark
-
     def step_done(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | None, log: bool) -> None:
         """After an optimizer step; at log steps (the only host reads) the progress line and scalars."""
         self.steps += 1
         self.bar.update()
         if not log:
             return
-        loss_f, elapsed = loss.item(), self.elapsed()
+        loss_f, elapsed = loss.item(), self.train_seconds + time.perf_counter() - self._mark
         tok_s = self.steps * self.tokens_per_step / max(elapsed, 1e-9)
         self.interval_ms.append(1000 * (elapsed - self._last[1]) / (self.steps - self._last[0]))
         self._last = (self.steps, elapsed)
@@ -135,8 +112,8 @@ class RunLog:
                 f"{tok_s:,.0f} tok/s")
         if self.interactive:
             self.bar.set_postfix_str(text, refresh=False)
-        elif self.enabled:
-            print(f"step {step:6d} | {text}", flush=True)
+        else:
+            self.line(f"step {step:6d} | {text}")
         scalars = {"train/loss": loss_f, "lr": lr, "tokens_per_second": tok_s}
         if self.peak is not None:
             self.mfu = scalars["mfu"] = self.flops_per_token * tok_s / self.peak  # 0..1
@@ -145,23 +122,20 @@ class RunLog:
         self.scalars(step, scalars)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        """name -> value at this step, to TensorBoard."""
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, step)
 
     def evaluation(self, step: int, losses: dict[str, float], t_start: float) -> dict:
         """Log one eval's estimates; returns its history entry."""
-        self.line(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
-                  f"({bpc(losses['val']):.3f} bpc)")
-        self.scalars(step, {"train/loss_estimate": losses["train"], "val/loss": losses["val"],
-                            "val/bpc": bpc(losses["val"])})
-        return {"step": step, "train_loss": losses["train"], "val_loss": losses["val"],
-                "train_seconds": self.train_seconds, "wall_seconds": time.perf_counter() - t_start}
+        train, val = losses["train"], losses["val"]
+        self.line(f"step {step}: train loss {train:.4f}, val loss {val:.4f} ({bpc(val):.3f} bpc)")
+        self.scalars(step, {"train/loss_estimate": train, "val/loss": val, "val/bpc": bpc(val)})
+        return {"step": step, "train_loss": train, "val_loss": val, "train_seconds": self.train_seconds,
+                "wall_seconds": time.perf_counter() - t_start}
 
     def snapshot(self, step: int, model: GPT, chars: list[str], val: np.ndarray) -> None:
-        """A text sample and the attention maps, from the uncompiled model in eval mode, on generators of
-        their own: the run's RNG streams are untouched, so a resumed run stays bit-identical."""
+        """A text sample (from its own generator) and the attention maps, to TensorBoard."""
         if self.writer is None:
             return
         device = model.tok_emb.weight.device
@@ -178,7 +152,7 @@ class RunLog:
             self.writer.add_image(f"attention/layer_{layer}", image, step, dataformats="HWC")
 
     def finish(self, summary: dict, final_step: int, interrupted: str | None) -> None:
-        """The summary line; on rank 0 summary.json, the exact val scalars and the HParams session's end."""
+        """The summary line, summary.json, the exact val scalars and the HParams session's end."""
         self.line("summary: " + json.dumps(json_safe({k: v for k, v in summary.items() if k != "history"})))
         if self.enabled:
             write_json(Path(self.cfg.out_dir) / "summary.json", summary)
@@ -186,17 +160,21 @@ class RunLog:
             if summary["final_val_loss"] is not None:
                 self.scalars(final_step, {"val/loss_exact": summary["final_val_loss"],
                                           "val/bpc_exact": summary["final_val_bpc"]})
-            if not interrupted:  # the HParams tab marks the session done
+            if not interrupted:  # the HParams session ends
                 from torch.utils.tensorboard.summary import hparams
 
                 self.writer.file_writer.add_summary(hparams({}, {})[2], final_step)
             self.writer.close()
         self.bar.close()
 
-    def summary(self, **figures: Any) -> dict:
-        """The run's figures with this log's throughput arithmetic added (this process's steps only)."""
-        return {**figures, "steps_this_run": self.steps, "train_seconds": self.train_seconds,
-                "tokens_per_second": self.steps * self.tokens_per_step / self.train_seconds
-                if self.train_seconds > 0 else None,
+    def summary(self, facts: dict, history: list[dict], **figures: Any) -> dict:
+        """The run's figures with bpc, the run facts and this process's throughput added."""
+        seconds, final = self.train_seconds, figures["final_val_loss"]
+        return {**figures, "final_val_bpc": None if final is None else bpc(final),
+                "last_val_estimate": history[-1]["val_loss"] if history else None,
+                **{k: facts[k] for k in ("params", "device", "dtype", "world_size")},
+                "peak_memory_mb": peak_memory_mb(torch.device(facts["device"])), "history": history,
+                "steps_this_run": self.steps, "train_seconds": seconds,
+                "tokens_per_second": self.steps * self.tokens_per_step / seconds if seconds > 0 else None,
                 "ms_per_step_median": float(np.median(self.interval_ms)) if self.interval_ms else None,
                 "mfu": self.mfu}

@@ -1,4 +1,4 @@
-"""Where and how to compute: the device, the dtype, the device's peak FLOP/s, and the facts of a run."""
+"""Where and how to compute: the device, the dtype, the peak FLOP/s, and the facts of a run."""
 
 from __future__ import annotations
 
@@ -9,49 +9,36 @@ import re
 import resource
 import subprocess
 import sys
-import time
+import timeit
 from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# On a CPU, bf16 autocast pays only where bf16 matmuls are native (AMX, AVX512-BF16: ~3x float32's
-# speed; an AVX2-only CPU runs them ~10x slower) and large enough to amortise the casts: the measured
-# crossover (benchmarks/RESULTS.md) is batch_size x block_size x n_embd = 2**16.
+# CPU bf16 pays only where matmuls are native (AMX, AVX512-BF16; not AVX2) and large enough to amortise the casts
 CPU_BF16_MIN_WORK = 2 ** 16
 CPU_BF16_MIN_SPEEDUP = 1.5
 
 
 def resolve_device(name: str) -> torch.device:
     """'auto' -> cuda, then mps, then cpu; an explicit device that is not there is an error."""
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    mps = torch.backends.mps.is_available()
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available on this machine; use --device=cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device={name!r} but this machine has {torch.cuda.device_count()} CUDA devices")
-    if device.type == "mps" and not mps:
-        raise ValueError(f"device={name!r} but MPS is not available on this machine; use --device=cpu")
+    count = {"cuda": torch.cuda.device_count(), "mps": int(mps)}.get(device.type)
+    if count is not None and (device.index or 0) >= count:
+        raise ValueError(f"device={name!r} but this machine has {count} {device.type} devices; use --device=cpu")
     return device
 
 
 @functools.cache
 def cpu_bf16_speedup(rows: int, width: int) -> float:
-    """How many times faster this CPU multiplies (rows, width) @ (width, 4 width) in bfloat16 than in
-    float32: the model's MLP matmul, timed once per process (rows capped at 1024: ~0.1 s at most)."""
+    """Speedup of bfloat16 over float32 for (rows <= 1024, width) @ (width, 4 width) on this CPU, timed once."""
     gen = torch.Generator().manual_seed(0)  # never the global RNG: a run must draw what it always drew
     x, w = torch.randn(min(rows, 1024), width, generator=gen), torch.randn(4 * width, width, generator=gen)
 
-    def seconds(a: torch.Tensor, b: torch.Tensor, runs: int) -> float:
-        torch.nn.functional.linear(a, b)  # warm-up
-        times = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(a, b)
-            times.append(time.perf_counter() - t0)
-        return min(times)
+    def seconds(a: torch.Tensor, b: torch.Tensor, runs: int) -> float:  # best after a warm-up
+        return min(timeit.repeat(lambda: torch.nn.functional.linear(a, b), number=1, repeat=runs + 1)[1:])
 
     return seconds(x, w, 3) / seconds(x.bfloat16(), w.bfloat16(), 2)
 
@@ -63,12 +50,11 @@ def bf16_pays(device: torch.device, rows: int, width: int, min_work: int = CPU_B
     return device.type == "cpu" and rows * width >= min_work and cpu_bf16_speedup(rows, width) >= CPU_BF16_MIN_SPEEDUP
 
 
-def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int] = (0, 0)) -> torch.dtype:
-    """The config's dtype on this device: 'auto' -> bfloat16 where bf16_pays for the model's matmuls,
-    matmul = (batch_size * block_size, n_embd); float32 otherwise. Other names are taken as given."""
+def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int]) -> torch.dtype:
+    """'auto' -> bfloat16 where bf16_pays for matmul = (batch_size * block_size, n_embd), else float32."""
     if name == "auto":
         return torch.bfloat16 if bf16_pays(device, *matmul) else torch.float32
-    return DTYPES[name]
+    return getattr(torch, name)
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
@@ -76,9 +62,7 @@ def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.Abs
     return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s), each with the pattern that picks
-# its part out of torch.cuda.get_device_name; other parts (PCIe/NVL variants, unknown GPUs) get no MFU
-# unless --peak_tflops is given: a guessed peak would be a made-up figure.
+# Data-sheet dense bf16 FLOP/s by device name; others get no MFU (without --peak_tflops) rather than a guess
 PEAK_BF16_FLOPS = [(r"\bH200\b(?!.*\bNVL\b)", 989.4e12), (r"\bH100\b(?!.*\b(PCIe|NVL)\b)", 989.4e12),
                    (r"\bA100\b", 312e12), (r"\bL40S\b", 362e12), (r"\bL4\b", 121e12), (r"\bA10G\b", 70e12),
                    (r"\bRTX 4090\b(?!.*\b(D|Laptop)\b)", 165.2e12), (r"\bRTX 3090\b(?!.*\b(Ti|Laptop)\b)", 71e12)]
