@@ -22,8 +22,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:
         words = [w.split("=")[0] for w in message.split() if w.startswith("--")]
-        options = [o for a in self._actions for o in a.option_strings]
-        close = [m for w in words for m in difflib.get_close_matches(w, options, n=2)]
+        close = [m for w in words for m in difflib.get_close_matches(w, self._option_string_actions, n=2)]
         super().error(message + (f"; did you mean {' or '.join(close)}?" if close else ""))
 
 
@@ -42,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337, help="same seed, same text")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token")
-    p.add_argument("--slide", type=int, default=1, help="tokens a full window drops at once: 1 recomputes "
-                   "it every token (nanoGPT's crop), k every k tokens, with the KV cache in between")
+    p.add_argument("--slide", type=int, default=1, help="tokens a full window drops at once (1 = nanoGPT's crop)")
     p.add_argument("--attention_png", nargs="?", const="", metavar="FILE", help="instead of sampling, draw "
                    "the prompt's attention maps into FILE (if not given: OUT_DIR/attention.png)")
     return p
@@ -77,17 +75,17 @@ def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], 
     return model.eval(), tok, prompt, tok.encode(prompt), path
 
 
-def attention_png(args: argparse.Namespace) -> Path:
+def attention_png(args: argparse.Namespace) -> None:
     """Draw every layer's and head's attention weights over the prompt's last block_size characters."""
     model, _, prompt, ids, ckpt = load(args)
     prompt, ids = prompt[-model.config.block_size:], ids[-model.config.block_size:]
     maps = prompt_attention(model, ids)  # L x (H, T, T)
+    path = args.attention_png or ckpt.parent / "attention.png"
     try:
-        path = save_attention_png(args.attention_png or ckpt.parent / "attention.png", maps, list(prompt))
+        save_attention_png(path, maps, list(prompt))
     except OSError as e:
-        raise ValueError(f"--attention_png: cannot write {args.attention_png}: {e.strerror or e}") from None
+        raise ValueError(f"--attention_png: cannot write {path}: {e.strerror or e}") from None
     print(f"[wrote {path}: {len(maps)} layers x {maps[0].shape[0]} heads, {len(ids)} x {len(ids)}]", file=sys.stderr)
-    return path
 
 
 def sample(args: argparse.Namespace) -> None:
@@ -97,9 +95,8 @@ def sample(args: argparse.Namespace) -> None:
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed must be in [0, 2**62], got {args.seed}")
     model, tok, prompt, ids, _ = load(args)
-    device = model.tok_emb.weight.device
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    idx = torch.tensor([ids], device=device)
+    idx = torch.tensor([ids], device=model.tok_emb.weight.device)
+    gen = torch.Generator(device=idx.device).manual_seed(args.seed)
     t0 = time.perf_counter()
     for i in range(args.num_samples):
         tokens = model.stream(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
@@ -110,7 +107,7 @@ def sample(args: argparse.Namespace) -> None:
             print(tok.chars[int(token)], end="", flush=True)
         print(flush=True)  # the text ends with its newline before the speed line, on a terminal too
     n, dt = args.num_samples * args.max_new_tokens, time.perf_counter() - t0
-    print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):,.0f} tokens/s on {device}]", file=sys.stderr)
+    print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):,.0f} tokens/s on {idx.device}]", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,7 @@
-"""Train a character-level GPT: python train.py [CONFIG.toml] [--field=value ...] (--help lists the fields),
-or torchrun --nproc_per_node=N train.py CONFIG [...] for DistributedDataParallel.
+"""Train a character-level GPT: python train.py [CONFIG.toml] [--field=value ...], or under torchrun (DDP).
 
-Without a config it trains the recipe for the machine's device. `train` reads top to bottom: checks and
-set-up, then per step lr -> eval/checkpoint -> forward/backward/update -> log, then the exact val loss.
+`train` reads top to bottom: checks, set-up, then per step lr -> eval/checkpoint -> forward/backward/step -> log.
 """
-
-from __future__ import annotations
 
 import argparse
 import math
@@ -17,17 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import training.checkpoint as checkpoint
 from data import check_split_sizes, get_batch, load_corpus
 from model import GPT
-from training import CKPT_NAME, Stopped, estimate_loss, exact_loss, help_text, parse_args, save_checkpoint, set_lr
-from training.checkpoint import (
-    checkpoint_to_resume,
-    model_from_checkpoint,
-    remove_partial_saves,
-    restore,
-    training_state,
-    write_json,
-)
+from training import Stopped, estimate_loss, exact_loss, help_text, parse_args, set_lr
 from training.distributed import close_distributed, init_distributed, launched_by_torchrun
 from training.faults import RunGuard, exit_code, signal_name
 from training.log import RunLog, bpc, estimated_seconds, format_duration
@@ -42,12 +31,12 @@ RUN_ERRORS = (ValueError, FloatingPointError, ConnectionError, ImportError, OSEr
 
 
 def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
-    """Run one training job as cfg (a TrainConfig) describes (one rank of it under torchrun); returns the
-    summary written to summary.json. verbose=False: no output, no TensorBoard (tests)."""
+    """Run the job cfg (a TrainConfig) describes (one rank under torchrun); returns summary.json's dict.
+    verbose=False: no output, no TensorBoard."""
     t_start = time.perf_counter()
     dist = init_distributed(os.environ, cfg.device)
     device, out_dir = dist.device, Path(cfg.out_dir)
-    ckpt_path = out_dir / CKPT_NAME
+    ckpt_path = out_dir / checkpoint.CKPT_NAME
     guard = RunGuard(device, ckpt_path, dist.enabled, announce=verbose and dist.is_main)
     try:
         # --- every check that can fail, before anything is written to out_dir ---
@@ -55,7 +44,8 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         corpus = load_corpus(cfg.dataset, cfg.split, cfg.text_column)
         check_split_sizes(corpus, cfg.block_size)
         tok = corpus.tokenizer
-        ckpt = checkpoint_to_resume(cfg, cfg.model_config(tok.vocab_size), tok, device) if cfg.resume else None
+        model_cfg = cfg.model_config(tok.vocab_size)
+        ckpt = checkpoint.checkpoint_to_resume(cfg, model_cfg, tok, device) if cfg.resume else None
         dtype = resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd))
         guard.float16, autocast = dtype == torch.float16, autocast_context(device, dtype)
         use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
@@ -64,11 +54,11 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         train_data, val_data = (torch.from_numpy(s.astype(np.int32)).to(device) for s in (corpus.train, corpus.val))
         torch.manual_seed(cfg.seed)
         batch_gen = torch.Generator(device=device).manual_seed(cfg.seed)
-        model = model_from_checkpoint(ckpt, device, dropout=cfg.dropout, attn_backend=cfg.attn_backend)[0] \
-            if ckpt else GPT(cfg.model_config(tok.vocab_size)).to(device)
+        model = checkpoint.model_from_checkpoint(ckpt, device, dropout=cfg.dropout, attn_backend=cfg.attn_backend)[0] \
+            if ckpt else GPT(model_cfg).to(device)
         optimizers = configure_optimizers(model, cfg)
         scaler = torch.amp.GradScaler(device.type, enabled=guard.float16)
-        start, best_val, history = restore(ckpt, optimizers, batch_gen, device) if ckpt else (0, math.inf, [])
+        start, best_val, history = checkpoint.restore(ckpt, optimizers, batch_gen, device)
         if not dist.is_main:  # a checkpoint holds rank 0's streams
             torch.manual_seed(dist.seed(cfg.seed, start))
             batch_gen.manual_seed(dist.seed(cfg.seed, start))
@@ -83,8 +73,8 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
             except OSError as e:
                 raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); give "
                                  "another --out_dir") from None
-            remove_partial_saves(out_dir)
-            write_json(out_dir / "config.json", facts)
+            checkpoint.remove_partial_saves(out_dir)
+            checkpoint.write_json(out_dir / "config.json", facts)
         log = RunLog(cfg, model, peak_flops(device, cfg.peak_tflops), start, enabled=verbose and dist.is_main)
         log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, {tok.vocab_size} "
                  f"symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']}"
@@ -102,6 +92,12 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                          f"python train.py {fast}")
         splits = {"train": train_data, "val": val_data}
         group = 1 if use_compile else max(1, EVAL_TOKENS_PER_FORWARD // (cfg.batch_size * cfg.block_size))
+
+        def save(steps: int, **extra: str) -> None:  # the state after `steps` optimizer steps, never a NaN one
+            guard.check_before_save(model)
+            state = checkpoint.training_state(model, optimizers, cfg, tok, steps, best_val, batch_gen, history)
+            checkpoint.save_checkpoint(ckpt_path, {**state, **extra})
+
         guard.arm()
         # --- the loop ---
         stop, done = None, start  # the signal that stopped the run; steps completed
@@ -125,9 +121,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                     if losses["val"] < best_val or cfg.always_save_checkpoint:
                         best_val = min(best_val, losses["val"])
                         if step > start or (step > 0 and ckpt is None):  # not the state resumed from
-                            guard.check_before_save(model)
-                            save_checkpoint(ckpt_path, training_state(model, optimizers, cfg, tok, step, best_val,
-                                                                      batch_gen, history))
+                            save(step)
             if last_step:
                 break
             for micro in range(micro_steps):
@@ -144,9 +138,8 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             for opt in optimizers:
                 scaler.step(opt)
-            scaler.update()
-            for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
+            scaler.update()
             done = step + 1
             log_step = step % cfg.log_interval == 0 or step == cfg.max_iters - 1
             stop = guard.poll(sync=log_step)  # raises on a non-finite loss
@@ -168,9 +161,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         guard.disarm()  # from here a Ctrl-C exits at once
         interrupted = None if stop is None else signal_name(stop)
         if interrupted and dist.is_main:
-            guard.check_before_save(model)
-            save_checkpoint(ckpt_path, {**training_state(model, optimizers, cfg, tok, done, best_val, batch_gen,
-                                                         history), "interrupted": interrupted})
+            save(done, interrupted=interrupted)
             log.line(f"interrupted by {interrupted} after {done} steps: saved {ckpt_path} at step {done}; run the "
                      "same command with --resume to continue")
         summary = log.summary(facts, history, best_val_loss=best_val, final_val_loss=final_val, steps=done,
@@ -183,8 +174,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
 
 
 def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
-    """argv with the recipe for this machine's device in front when it names no config file, and the line
-    that says which and why (None when argv names a config)."""
+    """argv with this device's recipe in front when it names no config, and the line saying which (else None)."""
     if argv and not argv[0].startswith("--"):
         return argv, None
     only_device = argparse.ArgumentParser(add_help=False)
@@ -193,8 +183,7 @@ def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
     name, why = {"cuda": ("shakespeare_char.toml", "the baby GPT, for a CUDA GPU"),
                  "mps": ("shakespeare_char_cpu.toml", "nanoGPT's laptop recipe, for Apple's GPU (MPS)")}.get(
         kind, ("shakespeare_char_cpu_fast.toml", "the fast CPU recipe: this machine has no CUDA GPU"))
-    path = CONFIGS / name
-    return [str(path), *argv], f"no config given: training configs/{name}, {why} (pass a config to choose)"
+    return [str(CONFIGS / name), *argv], f"no config given: training configs/{name}, {why} (pass a config to choose)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,16 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv, why = with_recipe(argv)
         cfg = parse_args(argv)
-    except ValueError as e:
-        if not quiet:
-            print(f"error: {e}", file=sys.stderr)
-        return 1
-    if why and not quiet:
-        print(why, flush=True)
-    try:
+        if why and not quiet:
+            print(why, flush=True)
         summary = train(cfg, argv)
     except RUN_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not quiet:
+            print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a Ctrl-C during set-up, or a second one in the loop
         print("interrupted: exited at once without saving; the last checkpoint is as it was", file=sys.stderr)

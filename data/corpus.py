@@ -18,11 +18,9 @@ class CharTokenizer:
 
     def __init__(self, chars: Iterable[str]) -> None:
         self.chars: list[str] = list(chars)
-        if not self.chars or any(not isinstance(c, str) or len(c) != 1 for c in self.chars):
-            raise ValueError("CharTokenizer needs a non-empty list of single characters")
-        if len(set(self.chars)) != len(self.chars):
-            raise ValueError("CharTokenizer vocabulary has duplicate characters")
         self.stoi = {c: i for i, c in enumerate(self.chars)}
+        if not 0 < len(self.stoi) == len(self.chars) or not all(isinstance(c, str) and len(c) == 1 for c in self.chars):
+            raise ValueError("CharTokenizer needs a non-empty list of distinct single characters")
 
     @property
     def vocab_size(self) -> int:
@@ -47,12 +45,10 @@ class CharTokenizer:
         return "".join(self.chars[int(i)] for i in ids)
 
     def to_dict(self) -> dict:
-        """Plain data, for checkpoints."""
         return {"chars": list(self.chars)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CharTokenizer":
-        """The tokenizer to_dict described."""
         if not isinstance(d, dict) or not isinstance(d.get("chars"), list):
             raise ValueError("a tokenizer dict needs a 'chars' list")
         return cls(d["chars"])
@@ -91,20 +87,16 @@ def load_corpus(dataset: str, split: str = "", text_column: str = "") -> Corpus:
 
 def check_split_sizes(corpus: Corpus, block_size: int) -> None:
     """Both splits must hold one window of block_size + 1 tokens (the inputs and their targets)."""
-    for split, data in (("train", corpus.train), ("val", corpus.val)):
-        if len(data) < block_size + 1:
-            fits = min(len(corpus.train), len(corpus.val)) - 1
-            smaller = f"--block_size={fits} or less" if fits >= 1 else "a smaller block_size"
-            raise ValueError(f"the {split} split of {corpus.name} has {len(data):,} tokens; block_size={block_size} "
-                             f"needs at least {block_size + 1:,}. Use a longer corpus (val is the last 10 % of it) "
-                             f"or {smaller}")
+    n, split = min((len(corpus.train), "train"), (len(corpus.val), "val"))
+    if n < block_size + 1:
+        smaller = f"--block_size={n - 1} or less" if n >= 2 else "a smaller block_size"
+        raise ValueError(f"the {split} split of {corpus.name} has {n:,} tokens; block_size={block_size} needs at least "
+                         f"{block_size + 1:,}. Use a longer corpus (val is the last 10 % of it) or {smaller}")
 
 
 def get_batch(data: np.ndarray | Tensor, batch_size: int, block_size: int,
               generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """x, y (B, T) int64 at random offsets i: x[b] = data[i : i + T], y[b] = data[i + 1 : i + 1 + T].
-
-    data: (N,) numpy or a tensor (gathered on its device); generator: on that device or the CPU."""
+    """x, y (B, T) int64 from random windows data[i : i + T + 1] of data (N,), numpy or a tensor (gathered there)."""
     n = len(data)
     if n < block_size + 1:
         raise ValueError(f"data has {n} tokens; a batch needs at least block_size + 1 = {block_size + 1}")
@@ -124,5 +116,4 @@ def inputs_and_targets(windows: Tensor) -> tuple[Tensor, Tensor]:
 
 def eval_windows(data: np.ndarray | Tensor, block_size: int) -> list[tuple[int, int]]:
     """(start, length) windows whose targets cover data[1:] once, in order; the last may be shorter."""
-    n_targets = len(data) - 1
-    return [(s, min(block_size, n_targets - s)) for s in range(0, n_targets, block_size)]
+    return [(s, min(block_size, len(data) - 1 - s)) for s in range(0, len(data) - 1, block_size)]

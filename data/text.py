@@ -1,6 +1,6 @@
-"""Where the text comes from: the bundled Tiny Shakespeare, a UTF-8 file, a folder of .txt files, or a
-Hugging Face dataset (`hf:NAME[:SPLIT]`, through `datasets`)."""
+"""Where the text comes from: bundled Tiny Shakespeare, a UTF-8 file, a folder of .txt files or `hf:NAME[:SPLIT]`."""
 
+import glob
 import hashlib
 import os
 import socket
@@ -28,8 +28,7 @@ def load_text(dataset: str, split: str = "", text_column: str = "") -> tuple[str
     if dataset == "shakespeare_char":
         raw = SHAKESPEARE.read_bytes()
         if hashlib.sha256(raw).hexdigest() != SHAKESPEARE_SHA256:
-            raise ValueError(f"{SHAKESPEARE} is not Tiny Shakespeare (its sha256 differs): restore it with "
-                             f"git checkout -- {SHAKESPEARE.parent.name}")
+            raise ValueError(f"{SHAKESPEARE} is not Tiny Shakespeare (sha256 differs): git checkout -- {SHAKESPEARE}")
         return raw.decode("utf-8"), "Tiny Shakespeare"
     if dataset.startswith("hf:"):
         return hf_text(dataset[3:], split, text_column)
@@ -37,8 +36,7 @@ def load_text(dataset: str, split: str = "", text_column: str = "") -> tuple[str
     if path.is_file():
         return decode_utf8(path.read_bytes(), str(path)), str(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*.txt")
-                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(path / f for f in glob.glob("**/*.txt", root_dir=path, recursive=True) if (path / f).is_file())
         if not files:
             raise ValueError(f"folder {path} contains no .txt files")
         return "".join(decode_utf8(f.read_bytes(), str(f)) for f in files), f"{path} ({len(files)} .txt files)"
@@ -66,8 +64,7 @@ def hf_text(spec: str, split: str, text_column: str) -> tuple[str, str]:
         os.environ["HF_HUB_OFFLINE"] = "1"  # read when `datasets` is imported: the cache only, not 20 s of retries
     import datasets
 
-    text_files = path.suffix == ".txt" or path.is_dir() and any(path.rglob("*.txt"))
-    options = {"keep_linebreaks": True} if text_files else {}
+    options = {"keep_linebreaks": True} if path.suffix == ".txt" or path.is_dir() and any(path.rglob("*.txt")) else {}
     try:
         if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
             ds = datasets.load_from_disk(str(path))
@@ -81,8 +78,7 @@ def hf_text(spec: str, split: str, text_column: str) -> tuple[str, str]:
         raise ConnectionError(f"could not load hf:{name} ({e}). Offline? Pass a local copy instead: a folder written "
                               "by save_to_disk or data files as hf:PATH, or UTF-8 text as --dataset=PATH") from None
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the message names the dataset
-        cause = e.__cause__ or e
-        raise ValueError(f"dataset=hf:{name}: {type(cause).__name__}: {cause}") from None
+        raise ValueError(f"dataset=hf:{name}: {type(e.__cause__ or e).__name__}: {e.__cause__ or e}") from None
     splits = ds if isinstance(ds, datasets.DatasetDict) else {}
     if split and split not in splits:
         raise ValueError(f"dataset=hf:{name} has no split {split!r}; it has {list(splits) or 'none'}")
@@ -92,6 +88,5 @@ def hf_text(spec: str, split: str, text_column: str) -> tuple[str, str]:
     strings = [c for c, f in ds.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
     column = text_column or ("text" if "text" in strings else strings[0] if len(strings) == 1 else None)
     if column not in strings:
-        raise ValueError(f"hf:{name}: set text_column to one of its string columns {strings}"
-                         + (f", not {text_column!r}" if text_column else ""))
+        raise ValueError(f"hf:{name}: set text_column to one of its string columns {strings} (now {text_column!r})")
     return "".join(t for t in ds[column] if t is not None), f"hf:{name}" + (f":{split}" if split else "")

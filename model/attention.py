@@ -1,13 +1,8 @@
-"""Causal multi-head self-attention, written out step by step.
+"""Causal multi-head self-attention, written out step by step: `causal_mask` alone decides which key each query
+may read (every backend, the cache and the maps obey it); `attention` is softmax(Q Kᵀ / √D + M) V in five steps.
 
-Shapes, in every comment of this package: B batch, T sequence, Tq queries and Tk keys (Tk >= Tq when
-decoding against a cache), C width (n_embd), H heads, D = C // H head width, V vocabulary.
-
-`causal_mask` is the one place that decides which key each query may read: every backend, the KV cache,
-the loss and the attention maps obey it. `attention` is softmax(Q Kᵀ / √D + M) V in five visible steps.
+Shapes: B batch, T sequence, Tq queries and Tk keys (Tk >= Tq against a cache), C width, H heads, D = C // H, V vocab.
 """
-
-from __future__ import annotations
 
 import math
 
@@ -17,11 +12,8 @@ from torch import Tensor, nn
 
 
 def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> Tensor:
-    """Which keys each query may read: key j is allowed for query i iff j <= i + (Tk - Tq).
-
-    The offset aligns the Tq queries with the last Tq keys: Tq == Tk in training (the lower triangle),
-    Tq new queries against a cache of Tk keys when decoding. Returns allowed: bool (Tq, Tk).
-    """
+    """allowed (Tq, Tk) bool: key j is allowed for query i iff j <= i + (Tk - Tq), the Tq queries being the last
+    Tq positions (Tq == Tk in training: the lower triangle; Tq new queries against a cache of Tk keys decoding)."""
     if Tq < 1 or Tk < Tq:
         raise ValueError(f"causal_mask needs 1 <= Tq <= Tk, got Tq={Tq}, Tk={Tk}")
     q_pos = torch.arange(Tq, device=device).unsqueeze(1) + (Tk - Tq)  # (Tq, 1) absolute positions
@@ -30,11 +22,10 @@ def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> T
 
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """M, added to the scores: 0 where a key is allowed, -inf where not (allowed's shape).
+    """M, added to the scores: 0 where allowed, -inf where not (allowed's shape). -inf, not -1e9: exp(-inf) is 0 in
+    every dtype, while a finite fill loses to a lower score or overflows float16.
 
-    -inf, not -1e9: exp(-inf) is exactly 0 in every dtype, while a finite fill loses to a lower score or
-    overflows float16. A query that may read no key (0/0 = NaN) is refused for CPU masks outside
-    torch.compile; on a GPU the check would stall the device, and the NaN loss stops the run instead.
+    A query that may read no key (0/0 = NaN) is refused here for CPU masks (on a GPU the check would stall it).
     """
     if allowed.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(allowed.any(-1).all()):
         query = (~allowed.any(-1)).nonzero()[0, -1].item()
@@ -47,12 +38,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
               dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention, softmax(Q Kᵀ / √D + M) V.
 
-    Args:
-        q: (B, H, Tq, D); k: (B, H, Tk, D); v: (B, H, Tk, Dv).
-        mask: M from additive_mask or a bool `allowed`, broadcastable to (B, H, Tq, Tk); None: no mask.
-        dropout_p: probability of dropping an attention weight (0 in eval mode).
-    Returns:
-        out (B, H, Tq, Dv), and weights (B, H, Tq, Tk) after mask and softmax, before dropout.
+    q (B, H, Tq, D), k (B, H, Tk, D), v (B, H, Tk, Dv); mask: M or a bool `allowed`, broadcastable to (B, H, Tq, Tk),
+    None for none; dropout_p: 0 in eval mode. Returns out (B, H, Tq, Dv) and weights (B, H, Tq, Tk) before dropout.
     """
     B, H, Tq, D = q.shape
     Tk = k.size(2)
@@ -90,14 +77,11 @@ class KVCache:
                  dtype: torch.dtype) -> None:
         self.k = [torch.empty(B, H, max_len, D, device=device, dtype=dtype) for _ in range(n_layer)]
         self.v = [torch.empty(B, H, max_len, D, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.max_len = max_len
         self.length = 0  # positions stored (the same for every layer once a forward finishes)
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, H, Tq, D) after the cached ones; return all keys and values (B, H, Tk, D)."""
-        start, end = self.length, self.length + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions, asked to store up to {end}")
+        start, end = self.length, self.length + k.size(2)  # GPT.forward refuses end > block_size = max_len
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

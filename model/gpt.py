@@ -4,8 +4,6 @@ GPT-2's (and nanoGPT's) defaults, plus two options the fast recipes use: rotary 
 normalisation. Shapes use the glossary in model/attention.py.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -124,10 +122,7 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor, targets: Tensor | None = None,
                 cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) -> logits (B, T, V) and, given targets (B, T), their mean cross-entropy (else None).
-
-        targets[:, t] is the token that FOLLOWS idx[:, t] (data shifted them, once). With a cache, idx are
-        the T positions after its cache.length ones, and their keys and values join it.
-        """
+        targets[:, t] FOLLOWS idx[:, t] (data shifted them). With a cache, idx follow its cache.length positions."""
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.block_size:
@@ -167,9 +162,8 @@ class GPT(nn.Module):
                slide: int = 1) -> Iterator[Tensor]:
         """Sample max_new_tokens tokens after the prompt idx (B, T >= 1), yielding each (B,) as it is drawn.
 
-        The model reads at most block_size tokens; with use_cache a step feeds only the newest. A full window
-        drops its first `slide` tokens and the cache is rebuilt: slide=1 (nanoGPT's crop) every step, slide=k
-        every k tokens. use_cache=False gives the same tokens. The rest are sample_next's options.
+        With use_cache a step feeds only the newest token (use_cache=False: the same tokens). A full window drops
+        its first `slide` tokens and rebuilds the cache (slide=1 is nanoGPT's crop). The rest: sample_next's.
         """
         if idx.dim() != 2 or idx.size(1) < 1:
             raise ValueError(f"generate needs a (B, T>=1) prompt, got shape {tuple(idx.shape)}")
@@ -180,13 +174,10 @@ class GPT(nn.Module):
             raise ValueError(f"slide must be an integer in [1, block_size={block}], got {slide!r}")
         context, cache = idx[:, -block:], None  # the window, and its keys' cache while valid
         for _ in range(max_new_tokens):
-            if not use_cache:
-                logits, _ = self(context)
-            elif cache is None:  # (re-)prefill: the whole window in one forward
-                cache = self.new_cache(idx.size(0))
-                logits, _ = self(context, cache=cache)
-            else:
-                logits, _ = self(context[:, -1:], cache=cache)  # the newest token only
+            if use_cache and cache is None:
+                cache = self.new_cache(idx.size(0))  # (re-)prefill: the whole window in one forward
+            whole = cache is None or cache.length == 0
+            logits, _ = self(context if whole else context[:, -1:], cache=cache)  # else the newest token only
             next_id = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B, 1)
             context = torch.cat((context, next_id), dim=1)
             if context.size(1) > block:

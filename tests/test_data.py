@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import data.text
-from data import CharTokenizer, Corpus, check_split_sizes, encode_corpus, eval_windows, get_batch, load_corpus
+from data import CharTokenizer, Corpus, check_split_sizes, eval_windows, get_batch, load_corpus
+from data.corpus import encode_corpus
 from data.text import load_text
 from tiny import TEXT
 

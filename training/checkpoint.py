@@ -1,10 +1,9 @@
-"""Checkpoints: what one holds (training_state, plus "interrupted": the stopping signal's name), how it is
-written and read (weights_only=True), and how a run resumes."""
+"""Checkpoints: what one holds (training_state, plus "interrupted"), atomic writes, weights_only reads, resuming."""
 
 import json
+import math
 import os
 import pickle
-import uuid
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -17,29 +16,26 @@ from model import GPT, GPTConfig
 
 FORMAT = "gpt-char-ckpt/1"
 CKPT_NAME = "ckpt.pt"
-RESUME_MAY_CHANGE = ("dropout", "attn_backend")  # neither changes the weights or what they compute in eval
 
 
-def write_atomic(path: str | Path, write: Callable[[BinaryIO], object], fsync: bool = False) -> None:
-    """write(f) into `.NAME.*.tmp` beside path, then rename it over path (durably if fsync): old file or new."""
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """write(f) into `.NAME.*.tmp` beside path, then rename it durably over path: old file or new."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         with open(tmp, "xb") as f:  # open(), not mkstemp: the umask's permissions
             write(f)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if fsync:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def json_safe(value: Any) -> Any:
@@ -61,7 +57,7 @@ def remove_partial_saves(out_dir: str | Path) -> None:
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Write state to path atomically and durably."""
     try:
-        write_atomic(path, lambda f: torch.save({"format": FORMAT, **state}, f), fsync=True)
+        write_atomic(path, lambda f: torch.save({"format": FORMAT, **state}, f))
     except OSError as e:
         raise OSError(e.errno, f"could not write checkpoint {path}: {e.strerror or e}; the previous "
                                "checkpoint there (if any) is intact") from e
@@ -107,10 +103,9 @@ def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cp
 def training_state(model: GPT, optimizers: list[torch.optim.Optimizer], cfg: Any, tok: CharTokenizer, step: int,
                    best_val: float, batch_gen: torch.Generator, history: list[dict]) -> dict[str, Any]:
     """What a checkpoint holds to continue a run after `step` optimizer steps, random streams included."""
-    device = model.tok_emb.weight.device
     rng = {"torch": torch.get_rng_state(), "batch": batch_gen.get_state()}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device)
+    if model.tok_emb.weight.is_cuda:
+        rng["cuda"] = torch.cuda.get_rng_state(model.tok_emb.weight.device)
     return {"model": model.state_dict(), "model_config": model.config.to_dict(), "config": cfg.to_dict(),
             "vocab": tok.to_dict(), "optimizers": [o.state_dict() for o in optimizers], "step": step,
             "best_val_loss": best_val, "rng": rng, "history": list(history)}
@@ -124,28 +119,27 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
     ckpt = load_checkpoint(path, map_location=device)
     have = ckpt["model_config"]
     diff = [f"{k}: checkpoint {have.get(k)!r} vs config {v!r}" for k, v in model_config.to_dict().items()
-            if k not in RESUME_MAY_CHANGE and have.get(k) != v]
+            if k not in ("dropout", "attn_backend") and have.get(k) != v]  # neither changes what eval computes
     if diff:
         raise ValueError(f"cannot resume: the architecture differs ({'; '.join(diff)}). Drop --resume to start "
                          "afresh, or give a new --out_dir to keep the old run")
     theirs = CharTokenizer.from_dict(ckpt["vocab"])
     if theirs != tok:
-        only = sorted(set(theirs.chars) ^ set(tok.chars))[:10]
-        raise ValueError(f"cannot resume: the checkpoint was trained on another vocabulary (differing: {only}). "
-                         "Resume with its dataset, or drop --resume")
+        raise ValueError("cannot resume: the checkpoint was trained on another vocabulary (differing: "
+                         f"{sorted(set(theirs.chars) ^ set(tok.chars))[:10]}). Use its dataset, or drop --resume")
     step, summary = ckpt["step"], path.parent / "summary.json"
-    if step > cfg.max_iters:
-        raise ValueError(f"--resume: {path} is at step {step}, past max_iters={cfg.max_iters}; give "
-                         f"--max_iters > {step}")
-    if step == cfg.max_iters and not ckpt.get("interrupted") and summary.exists():
-        raise ValueError(f"--resume: {path} is at step {step} = max_iters: the run is finished (see {summary}); "
-                         f"give --max_iters > {step}")
+    finished = step == cfg.max_iters and not ckpt.get("interrupted") and summary.exists()
+    if step > cfg.max_iters or finished:
+        why = f" = max_iters: the run is finished (see {summary})" if finished else f", past max_iters={cfg.max_iters}"
+        raise ValueError(f"--resume: {path} is at step {step}{why}; give --max_iters > {step}")
     return ckpt
 
 
-def restore(ckpt: dict[str, Any], optimizers: list[torch.optim.Optimizer], batch_gen: torch.Generator,
+def restore(ckpt: dict[str, Any] | None, optimizers: list[torch.optim.Optimizer], batch_gen: torch.Generator,
             device: torch.device) -> tuple[int, float, list[dict]]:
     """Put a checkpoint's optimizer and RNG states back; returns (step, best val loss, the evals before step)."""
+    if ckpt is None:  # a fresh run
+        return 0, math.inf, []
     for opt, state in zip(optimizers, ckpt["optimizers"], strict=True):
         opt.load_state_dict(state)
     torch.set_rng_state(ckpt["rng"]["torch"].cpu())

@@ -1,12 +1,10 @@
-"""The training config: a typed, frozen dataclass filled from TOML, then --field=value overrides.
-Field names are nanoGPT's, so its command lines carry over."""
+"""The training config (nanoGPT's field names): a frozen dataclass filled from TOML, then --field=value overrides."""
 
 import dataclasses
 import difflib
 import math
 import re
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -14,24 +12,22 @@ from model import GPTConfig
 from model.gpt import ATTN_BACKENDS, POS_EMBS
 
 MAX_SEED = 2**62  # derived seeds (seed + rank + world * step) stay inside torch's 64-bit range
-RANGES = {  # rule: (test, fields); the model's fields are GPTConfig's to check
-    ">= 1": (lambda v: v >= 1, ("batch_size", "max_iters", "gradient_accumulation_steps", "eval_interval",
-                                "eval_iters", "log_interval")),
-    "> 0": (lambda v: v > 0, ("learning_rate",)),
-    ">= 0": (lambda v: v >= 0, ("min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip",
-                                "muon_lr", "sample_tokens", "peak_tflops")),
-    "in [0, 1)": (lambda v: 0 <= v < 1, ("beta1", "beta2")),
-    "in [0, 1]": (lambda v: 0 <= v <= 1, ("cooldown_frac", "muon_momentum")),
-    "in [0, 2**62]": (lambda v: 0 <= v <= MAX_SEED, ("seed",)),
+RANGES = {  # a field's `rule`; the model's fields are GPTConfig's to check
+    ">= 1": lambda v: v >= 1,
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in [0, 2**62]": lambda v: 0 <= v <= MAX_SEED,
 }
 BOOLS = dict.fromkeys(("true", "1", "yes", "on"), True) | dict.fromkeys(("false", "0", "no", "off"), False)
 
 
-def _f(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, rule: str | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "rule": rule})
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything a run needs, validated on construction; errors name the field."""
 
@@ -48,35 +44,35 @@ class TrainConfig:
     attn_backend: str = _f("manual", "the from-scratch attention, or PyTorch's fused kernel", ATTN_BACKENDS)
     pos_emb: str = _f("learned", "positions: a learned table, or rotary q/k (rope)", POS_EMBS)
     qk_norm: bool = _f(False, "RMS-normalise queries and keys per head")
-    batch_size: int = _f(64, "sequences per micro-batch")
-    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
-    max_iters: int = _f(5000, "optimizer steps")
-    learning_rate: float = _f(1e-3, "peak learning rate")
-    min_lr: float = _f(1e-4, "learning rate at the end of the decay, and after it")
-    warmup_iters: int = _f(100, "steps of linear warmup")
-    lr_decay_iters: int = _f(5000, "step at which the decay reaches min_lr")
+    batch_size: int = _f(64, "sequences per micro-batch", rule=">= 1")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step", rule=">= 1")
+    max_iters: int = _f(5000, "optimizer steps", rule=">= 1")
+    learning_rate: float = _f(1e-3, "peak learning rate", rule="> 0")
+    min_lr: float = _f(1e-4, "learning rate at the end of the decay, and after it", rule=">= 0")
+    warmup_iters: int = _f(100, "steps of linear warmup", rule=">= 0")
+    lr_decay_iters: int = _f(5000, "step at which the decay reaches min_lr", rule=">= 0")
     lr_schedule: str = _f("cosine", "cosine, or wsd: warmup, stable, linear cooldown", ("cosine", "wsd"))
-    cooldown_frac: float = _f(0.3, "wsd only: the last fraction of lr_decay_iters spent decaying")
+    cooldown_frac: float = _f(0.3, "wsd only: the last fraction of lr_decay_iters spent decaying", rule="in [0, 1]")
     optimizer: str = _f("adamw", "AdamW, or Muon for the blocks' matrices and AdamW for the rest", ("adamw", "muon"))
-    muon_lr: float = _f(0.02, "Muon's peak learning rate (scheduled like learning_rate)")
-    muon_momentum: float = _f(0.95, "Muon's momentum")
-    weight_decay: float = _f(0.1, "AdamW weight decay (2-D weights only)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.99, "AdamW beta2")
-    grad_clip: float = _f(1.0, "clip the gradient norm to this (0 = off)")
-    eval_interval: int = _f(250, "estimate train/val loss every this many steps")
-    eval_iters: int = _f(200, "batches per loss estimate")
-    log_interval: int = _f(10, "update the progress line every this many steps")
+    muon_lr: float = _f(0.02, "Muon's peak learning rate (scheduled like learning_rate)", rule=">= 0")
+    muon_momentum: float = _f(0.95, "Muon's momentum", rule="in [0, 1]")
+    weight_decay: float = _f(0.1, "AdamW weight decay (2-D weights only)", rule=">= 0")
+    beta1: float = _f(0.9, "AdamW beta1", rule="in [0, 1)")
+    beta2: float = _f(0.99, "AdamW beta2", rule="in [0, 1)")
+    grad_clip: float = _f(1.0, "clip the gradient norm to this (0 = off)", rule=">= 0")
+    eval_interval: int = _f(250, "estimate train/val loss every this many steps", rule=">= 1")
+    eval_iters: int = _f(200, "batches per loss estimate", rule=">= 1")
+    log_interval: int = _f(10, "update the progress line every this many steps", rule=">= 1")
     exact_val: bool = _f(True, "at the end, the exact loss over the whole val split")
     always_save_checkpoint: bool = _f(False, "save at every eval, not only when val improves")
     tensorboard: bool = _f(True, "write TensorBoard event files to out_dir")
-    sample_tokens: int = _f(200, "characters of the TensorBoard text sample at each eval (0 = none)")
-    seed: int = _f(1337, "seeds the model init, the batches and dropout")
+    sample_tokens: int = _f(200, "characters of the TensorBoard text sample at each eval (0 = none)", rule=">= 0")
+    seed: int = _f(1337, "seeds the model init, the batches and dropout", rule="in [0, 2**62]")
     device: str = _f("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     dtype: str = _f("auto", "autocast dtype (auto: bfloat16 where fast)", ("auto", "float32", "bfloat16", "float16"))
     compile: str = _f("auto", "torch.compile the model (auto = on for CUDA)", ("auto", "true", "false"))
     resume: bool = _f(False, "continue from out_dir/ckpt.pt")
-    peak_tflops: float = _f(0.0, "device peak TFLOP/s for MFU (0 = known GPUs only)")
+    peak_tflops: float = _f(0.0, "device peak TFLOP/s for MFU (0 = known GPUs only)", rule=">= 0")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -89,10 +85,8 @@ class TrainConfig:
                 raise ValueError(f"config field {f.name} must be a finite number, got {value!r}")
             if choices and value not in choices:
                 raise ValueError(f"config field {f.name}={value!r} is not one of {', '.join(choices)}")
-        for rule, (ok, names) in RANGES.items():
-            for name in names:
-                if not ok(getattr(self, name)):
-                    raise ValueError(f"config field {name} must be {rule}, got {getattr(self, name)!r}")
+            if f.metadata["rule"] and not RANGES[f.metadata["rule"]](value):
+                raise ValueError(f"config field {f.name} must be {f.metadata['rule']}, got {value!r}")
         for name in ("split", "text_column"):
             if getattr(self, name) and not self.dataset.startswith("hf:"):
                 raise ValueError(f"config field {name}={getattr(self, name)!r} applies to hf: datasets only")
@@ -104,7 +98,7 @@ class TrainConfig:
         if not (self.device in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ValueError(f"config field device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
         try:
-            self.model_config(1)
+            self.model_config(1)  # GPTConfig checks the model's fields
         except ValueError as e:
             raise ValueError(str(e).replace("GPTConfig.", "config field ")) from None
 
@@ -123,25 +117,24 @@ class TrainConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def unknown_key(key: str, where: str = "") -> ValueError:
-    """The error for a key TrainConfig lacks, naming the closest keys (else all)."""
-    close = difflib.get_close_matches(key, FIELDS, n=3)
-    hint = f"did you mean {' or '.join(close)}?" if close else f"valid keys: {', '.join(FIELDS)}"
-    return ValueError(f"unknown config key {key!r}{where}; {hint} (python train.py --help lists them)")
+def check_key(key: str, where: str = "") -> None:
+    """Raise for a key TrainConfig lacks, naming the closest keys (else all)."""
+    if key not in FIELDS:
+        close = difflib.get_close_matches(key, FIELDS, n=3)
+        hint = f"did you mean {' or '.join(close)}?" if close else f"valid keys: {', '.join(FIELDS)}"
+        raise ValueError(f"unknown config key {key!r}{where}; {hint} (python train.py --help lists them)")
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """A TOML config file as a dict (never executed); an unknown key is an error."""
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise ValueError(f"config file {path}: cannot read it ({e.strerror}); give a .toml file") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
     for key in data:
-        if key not in FIELDS:
-            raise unknown_key(key, f" in {path}")
+        check_key(key, f" in {path}")
     return data
 
 
@@ -154,17 +147,13 @@ def parse_args(argv: list[str]) -> TrainConfig:
         if not arg.startswith("--"):
             raise ValueError(f"unexpected argument {arg!r}: only the config file may come without --")
         key, eq, text = arg[2:].partition("=")
-        if key not in FIELDS:
-            raise unknown_key(key)
+        check_key(key)
         kind = FIELDS[key].type
         if not eq:
-            flag = kind is bool or "true" in (FIELDS[key].metadata["choices"] or ())
-            if flag and (not args or args[0].startswith("--")):
-                text = "true"
-            elif args:
-                text = args.pop(0)
-            else:
+            given = bool(args) and not args[0].startswith("--")
+            if not given and not (kind is bool or "true" in (FIELDS[key].metadata["choices"] or ())):
                 raise ValueError(f"config key {key} needs a value: --{key}=VALUE")
+            text = args.pop(0) if given else "true"
         try:
             values[key] = BOOLS[text.lower()] if kind is bool else kind(text)
         except (KeyError, ValueError):
@@ -175,9 +164,8 @@ def parse_args(argv: list[str]) -> TrainConfig:
 def help_text() -> str:
     """Usage, then every field with its type, default and meaning."""
     lines = ["usage: python train.py [CONFIG.toml] [--field=value ...]", "",
-             "Trains a character-level GPT. Without a config it picks the recipe for this machine. The TOML",
-             "file (e.g. configs/debug.toml) is applied first, then the overrides; a bare --flag sets a bool.",
-             "", "fields:"]
+             "Trains a character-level GPT. Without a config it picks the recipe for this machine. The TOML file",
+             "(e.g. configs/debug.toml) goes first, then the overrides; a bare --flag sets a bool.", "", "fields:"]
     for f in FIELDS.values():
         kind = "|".join(f.metadata["choices"] or (f.type.__name__,))
         lines += [f"  --{f.name}={kind}  (default: {f.default!r})", f"      {f.metadata['help']}"]

@@ -1,5 +1,4 @@
-"""DistributedDataParallel under torchrun (which sets RANK, LOCAL_RANK and WORLD_SIZE). Only rank 0 logs,
-evaluates and writes; the global batch stays the config's (each rank runs its share of the micro-batches)."""
+"""DistributedDataParallel under torchrun: rank 0 alone logs, evaluates and writes; ranks share the micro-batches."""
 
 import contextlib
 from collections.abc import Mapping
@@ -61,8 +60,7 @@ def init_distributed(env: Mapping[str, str], device_name: str) -> Dist:
         return Dist(device=device)
     rank, local_rank, world_size = (int(env[name]) for name in LAUNCH_VARS)
     if device_name.startswith("cuda:"):
-        raise ValueError(f"device={device_name!r}: under torchrun each process uses cuda:LOCAL_RANK; "
-                         "pass --device=cuda (or auto)")
+        raise ValueError(f"{device_name!r}: under torchrun each process uses cuda:LOCAL_RANK; use --device=cuda")
     if device.type == "mps":
         if device_name != "auto":
             raise ValueError("device='mps' cannot run distributed (NCCL and gloo do not support it); use --device=cpu")

@@ -1,7 +1,5 @@
 """Loss estimates during training and the exact loss over a whole split at the end."""
 
-from __future__ import annotations
-
 import contextlib
 import sys
 from collections.abc import Callable, Iterator

@@ -1,11 +1,9 @@
-"""Stopping a run safely on SIGINT/SIGTERM (a first signal saves, a second acts as without us), and never
-saving after a non-finite loss (checked on the device: a host read per step would stall a GPU)."""
+"""Stopping a run safely on SIGINT/SIGTERM, and never saving after a non-finite loss (checked on the device)."""
 
 import os
 import signal
 import threading
 from pathlib import Path
-from types import FrameType
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +33,7 @@ class RunGuard:
         while self._previous:
             signal.signal(*self._previous.popitem())
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def _on_signal(self, signum: int, frame: object) -> None:
         if self.signum is not None:
             self.disarm()
             signal.raise_signal(signum)  # to the handler before ours: Python's SIGINT raises KeyboardInterrupt
@@ -88,9 +86,8 @@ class RunGuard:
 
     def kept(self) -> str:
         """What a run stopped for a non-finite loss leaves on disk."""
-        if self.ckpt_path.exists():
-            return f"{self.ckpt_path} is untouched"
-        return f"no checkpoint was written ({self.ckpt_path} does not exist)"
+        gone = f"no checkpoint was written ({self.ckpt_path} does not exist)"
+        return f"{self.ckpt_path} is untouched" if self.ckpt_path.exists() else gone
 
 
 def signal_name(signum: int) -> str:

@@ -1,7 +1,4 @@
-"""One logging path for a run: the progress line, TensorBoard (scalars, a text sample, attention images,
-an HParams session named by out_dir), the training clock and the summary."""
-
-from __future__ import annotations
+"""One logging path for a run: progress line, TensorBoard (scalars, sample, attention, HParams), clock, summary."""
 
 import contextlib
 import json
@@ -93,10 +90,8 @@ class RunLog:
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's queued work belongs to training time
         self.train_seconds += time.perf_counter() - self._mark
-        try:
-            yield
-        finally:
-            self._mark = time.perf_counter()
+        yield  # no finally: an exception out of the block ends the run
+        self._mark = time.perf_counter()
 
     def step_done(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | None, log: bool) -> None:
         """After an optimizer step; at log steps (the only host reads) the progress line and scalars."""
@@ -174,7 +169,6 @@ class RunLog:
                 "last_val_estimate": history[-1]["val_loss"] if history else None,
                 **{k: facts[k] for k in ("params", "device", "dtype", "world_size")},
                 "peak_memory_mb": peak_memory_mb(torch.device(facts["device"])), "history": history,
-                "steps_this_run": self.steps, "train_seconds": seconds,
+                "steps_this_run": self.steps, "train_seconds": seconds, "mfu": self.mfu,
                 "tokens_per_second": self.steps * self.tokens_per_step / seconds if seconds > 0 else None,
-                "ms_per_step_median": float(np.median(self.interval_ms)) if self.interval_ms else None,
-                "mfu": self.mfu}
+                "ms_per_step_median": float(np.median(self.interval_ms)) if self.interval_ms else None}

@@ -25,10 +25,7 @@ def orthogonalize(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
 class Muon(torch.optim.Optimizer):
     """Nesterov momentum, orthogonalised (Keller Jordan's Muon), for 2-D weight matrices."""
 
-    def __init__(self, params: list[Tensor], lr: float = 0.02, momentum: float = 0.95,
-                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
-        if any(p.dim() != 2 for p in params):
-            raise ValueError("Muon takes 2-D weight matrices only")
+    def __init__(self, params: list[Tensor], lr: float, momentum: float, ns_dtype: torch.dtype) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum))
         self.ns_dtype = ns_dtype
 
@@ -41,17 +38,15 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     by_shape.setdefault(p.shape, []).append(p)
             for (rows, cols), params in by_shape.items():
-                updates = []
                 for p in params:
-                    m = self.state[p].setdefault("momentum", torch.zeros_like(p))
-                    m.lerp_(p.grad, 1 - beta)
-                    updates.append(p.grad.lerp(m, beta))  # Nesterov: one momentum step ahead
-                for p, u in zip(params, orthogonalize(torch.stack(updates), dtype=self.ns_dtype), strict=True):
+                    self.state[p].setdefault("momentum", torch.zeros_like(p)).lerp_(p.grad, 1 - beta)
+                updates = torch.stack([p.grad.lerp(self.state[p]["momentum"], beta) for p in params])  # Nesterov
+                for p, u in zip(params, orthogonalize(updates, dtype=self.ns_dtype), strict=True):
                     p.add_(u, alpha=-lr * max(1.0, rows / cols) ** 0.5)  # tall: smaller entries
 
 
 def configure_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
-    """AdamW (decaying 2-D weights only), or Muon for the blocks' 2-D matrices; each group's peak lr is base_lr."""
+    """AdamW (decaying 2-D weights only), or Muon for the blocks' 2-D matrices; each one's peak lr is its lr."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     device = named[0][1].device
     muon = [p for n, p in named if cfg.optimizer == "muon" and p.dim() == 2 and n.startswith("blocks.")]
@@ -61,12 +56,8 @@ def configure_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim
     optimizers = [torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                                     fused=device.type in ("cpu", "cuda"))]
     if muon:
-        # bf16 Newton-Schulz only where its matmuls are fast: on an AVX2-only CPU it is 10x slower
         ns_dtype = torch.bfloat16 if bf16_pays(device, 4 * cfg.n_embd, cfg.n_embd, min_work=0) else torch.float32
         optimizers.insert(0, Muon(muon, lr=cfg.muon_lr, momentum=cfg.muon_momentum, ns_dtype=ns_dtype))
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["base_lr"] = group["lr"]
     return optimizers
 
 
@@ -78,18 +69,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.min_lr
     if cfg.lr_schedule == "wsd":
         start = max(cfg.warmup_iters, cfg.lr_decay_iters * (1 - cfg.cooldown_frac))
-        if step < start:
-            return cfg.learning_rate
-        progress = (step - start) / max(1.0, cfg.lr_decay_iters - start)
+        progress = max(0.0, step - start) / max(1.0, cfg.lr_decay_iters - start)  # 0 while stable
         return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
     progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
 
 def set_lr(optimizers: list[torch.optim.Optimizer], step: int, cfg: TrainConfig) -> float:
-    """Apply the schedule to every group, scaled from its base_lr; returns AdamW's lr (the logged one)."""
+    """Apply the schedule to every group, scaled from its optimizer's peak lr; returns AdamW's lr (the logged one)."""
     lr = lr_at(step, cfg)
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * lr / cfg.learning_rate
+            group["lr"] = opt.defaults["lr"] * lr / cfg.learning_rate
     return lr

@@ -1,7 +1,5 @@
 """Where and how to compute: the device, the dtype, the peak FLOP/s, and the facts of a run."""
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import platform
@@ -12,11 +10,8 @@ import sys
 import timeit
 from pathlib import Path
 
+import numpy
 import torch
-
-# CPU bf16 pays only where matmuls are native (AMX, AVX512-BF16; not AVX2) and large enough to amortise the casts
-CPU_BF16_MIN_WORK = 2 ** 16
-CPU_BF16_MIN_SPEEDUP = 1.5
 
 
 def resolve_device(name: str) -> torch.device:
@@ -43,11 +38,12 @@ def cpu_bf16_speedup(rows: int, width: int) -> float:
     return seconds(x, w, 3) / seconds(x.bfloat16(), w.bfloat16(), 2)
 
 
-def bf16_pays(device: torch.device, rows: int, width: int, min_work: int = CPU_BF16_MIN_WORK) -> bool:
+def bf16_pays(device: torch.device, rows: int, width: int, min_work: int = 2 ** 16) -> bool:
     """Whether (rows, width) @ (width, 4 width) matmuls are markedly faster in bfloat16 on this device."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and rows * width >= min_work and cpu_bf16_speedup(rows, width) >= CPU_BF16_MIN_SPEEDUP
+    # CPU bf16 pays only where matmuls are native (AMX, AVX512-BF16; not AVX2) and large enough to amortise the casts
+    return device.type == "cpu" and rows * width >= min_work and cpu_bf16_speedup(rows, width) >= 1.5
 
 
 def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int]) -> torch.dtype:
@@ -87,8 +83,6 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
 
 def run_facts(argv: list[str]) -> dict[str, str | list[str]]:
     """What produced a run: argv, library versions, the git commit."""
-    import numpy
-
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                                 cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"

@@ -1,8 +1,6 @@
 """Attention weights as pictures: one tile per (layer, head), rows = queries, columns = keys; exactly 0 is
 white, so the causal mask is a white upper triangle. Shapes: L layers, H heads, T prompt length."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +16,6 @@ from .evaluate import evaluating
 EMPTY, LOW, HIGH = (255, 255, 255), (198, 219, 239), (8, 48, 107)  # weight 0, the smallest > 0, weight 1
 INVALID = (220, 0, 0)  # NaN/inf: a bug, drawn so it cannot be missed
 GAMMA = 0.5  # sqrt ramp: spread attention (1/T per key) stays visibly different from focused attention
-SCALE_TICKS = (0.01, 0.1, 0.5, 1.0)
 BLACK, GREY, LINE = (0, 0, 0), (60, 60, 60), (170, 170, 170)  # titles, labels, outlines
 
 
@@ -69,8 +66,7 @@ def render_attention(maps: Sequence[Tensor | np.ndarray], chars: Sequence[str],
 
     weights = [m.float().numpy(force=True) if isinstance(m, Tensor) else np.asarray(m) for m in maps]
     if not weights or any(w.shape != weights[0].shape or w.shape[1:] != (len(chars),) * 2 for w in weights):
-        raise ValueError(f"render_attention needs L >= 1 maps of one shape (H, T, T) and T characters; got "
-                         f"{[w.shape for w in weights]} and {len(chars)} characters")
+        raise ValueError(f"need L >= 1 maps (H, T, T) for T = {len(chars)} chars, got {[w.shape for w in weights]}")
     lay = layout_for(len(weights), len(weights[0]), len(chars))
     side = lay.T * lay.cell
     image = Image.new("RGB", lay.size, EMPTY)
@@ -90,11 +86,11 @@ def render_attention(maps: Sequence[Tensor | np.ndarray], chars: Sequence[str],
                     else:
                         _centred(draw, (cx, cy), {"\n": "\\n", "\t": "\\t"}.get(ch, ch), font, GREY)
     x, y, width = lay.gap + 40, lay.size[1] - lay.scale + 6, 240  # the scale: a swatch for 0, then the ramp
-    ramp = colour(np.linspace(1e-9, 1, width) ** 2)[None]  # (1, width, 3)
+    ramp = colour(np.linspace(1e-9, 1, width) ** (1 / GAMMA))[None]  # (1, width, 3): even in colour
     image.paste(Image.fromarray(ramp).resize((width, 10), Image.NEAREST), (x, y))
     draw.rectangle((lay.gap, y, lay.gap + 10, y + 9), outline=LINE)
     draw.text((lay.gap + 14, y), "0", fill=BLACK, font=font)
-    for tick in SCALE_TICKS:
+    for tick in (0.01, 0.1, 0.5, 1.0):
         tx = x + round(tick ** GAMMA * (width - 1))
         draw.line((tx, y + 10, tx, y + 13), fill=BLACK)
         _centred(draw, (tx, y + 20), f"{tick:g}", font, BLACK)
@@ -109,8 +105,6 @@ def _centred(draw, xy: tuple[float, float], text: str, font, fill: tuple[int, in
 @torch.no_grad()
 def prompt_attention(model: GPT, ids: Sequence[int]) -> list[Tensor]:
     """Every layer's attention weights for one prompt, in eval mode: L tensors (H, T, T), float32, on the CPU."""
-    if not 1 <= len(ids) <= model.config.block_size:
-        raise ValueError(f"an attention prompt needs 1..block_size={model.config.block_size} tokens, got {len(ids)}")
     layers = [block.attn for block in model.blocks]
     for attn in layers:
         attn.keep_weights = True
