@@ -1,4 +1,4 @@
-"""Sample from a trained checkpoint (default: the newest out/**/ckpt.pt): text to stdout, speed to stderr."""
+"""Sample from a checkpoint (default: newest out/**/ckpt.pt): text to stdout, speed to stderr."""
 
 import argparse
 import difflib
@@ -18,7 +18,7 @@ from training.visualize import prompt_attention, save_attention_png
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose unknown-option error suggests the closest options ("did you mean --top_k?")."""
+    """argparse whose unknown-option error says "did you mean --top_k?"."""
 
     def error(self, message: str) -> None:
         words = [w.split("=")[0] for w in message.split() if w.startswith("--")]
@@ -27,28 +27,28 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """sample.py's options; --help prints each one's default."""
+    """sample.py's options, defaults shown by --help."""
     p = Parser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out_dir", help="run directory holding ckpt.pt; None = the newest under out/")
-    p.add_argument("--ckpt", help="checkpoint file, instead of OUT_DIR/ckpt.pt")
+    p.add_argument("--out_dir", help="run dir holding ckpt.pt; None = newest under out/")
+    p.add_argument("--ckpt", help="checkpoint file instead of OUT_DIR/ckpt.pt")
     p.add_argument("--prompt", help="text to continue; None = a newline")
-    p.add_argument("--prompt_file", help="UTF-8 file to read the prompt from")
+    p.add_argument("--prompt_file", help="UTF-8 file holding the prompt")
     p.add_argument("--max_new_tokens", type=int, default=500, help="characters per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; < 1 sharper, > 1 more random")
-    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens (0 = all)")
+    p.add_argument("--top_k", type=int, default=200, help="keep the k likeliest tokens (0 = all)")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--num_samples", type=int, default=1, help="samples to draw, one generator for all")
+    p.add_argument("--num_samples", type=int, default=1, help="samples, one generator for all")
     p.add_argument("--seed", type=int, default=1337, help="same seed, same text")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--no_cache", action="store_true", help="recompute the whole context every token")
+    p.add_argument("--no_cache", action="store_true", help="recompute the whole context per token")
     p.add_argument("--slide", type=int, default=1, help="tokens a full window drops at once (1 = nanoGPT's crop)")
-    p.add_argument("--attention_png", nargs="?", const="", metavar="FILE", help="instead of sampling, draw "
-                   "the prompt's attention maps into FILE (if not given: OUT_DIR/attention.png)")
+    p.add_argument("--attention_png", nargs="?", const="", metavar="FILE", help="draw the prompt's "
+                   "attention maps into FILE (none: OUT_DIR/attention.png) instead of sampling")
     return p
 
 
 def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
-    """(model in eval mode, tokenizer, prompt, prompt ids, checkpoint path) of the checkpoint args name."""
+    """(eval model, tokenizer, prompt, prompt ids, checkpoint path) that args name."""
     prompt = "\n" if args.prompt is None else args.prompt
     if args.prompt_file:
         if args.prompt is not None:
@@ -58,7 +58,7 @@ def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], 
         except OSError as e:
             raise ValueError(f"--prompt_file: cannot read {args.prompt_file}: {e.strerror or e}") from None
     if not prompt:
-        raise ValueError("the prompt is empty; give at least one character")
+        raise ValueError("the prompt is empty; give one character or more")
     if args.ckpt:
         path = Path(args.ckpt)
     elif args.out_dir:
@@ -68,15 +68,15 @@ def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], 
     else:
         path = max(Path("out").glob(f"**/{CKPT_NAME}"), key=os.path.getmtime, default=None)
         if path is None:
-            raise ValueError("no checkpoint under out/: train one first (python train.py), or give --out_dir or --ckpt")
-        print(f"[sampling from {path}, the newest checkpoint under out/]", file=sys.stderr)
+            raise ValueError("no checkpoint under out/: run python train.py, or give --out_dir or --ckpt")
+        print(f"[sampling from {path}, the newest under out/]", file=sys.stderr)
     device = resolve_device(args.device)
     model, tok = model_from_checkpoint(load_checkpoint(path, map_location=device), device, dropout=0.0)
     return model.eval(), tok, prompt, tok.encode(prompt), path
 
 
 def attention_png(args: argparse.Namespace) -> None:
-    """Draw every layer's and head's attention weights over the prompt's last block_size characters."""
+    """Draw each layer's and head's attention over the prompt's last block_size characters."""
     model, _, prompt, ids, ckpt = load(args)
     prompt, ids = prompt[-model.config.block_size:], ids[-model.config.block_size:]
     maps = prompt_attention(model, ids)  # L x (H, T, T)
@@ -89,7 +89,7 @@ def attention_png(args: argparse.Namespace) -> None:
 
 
 def sample(args: argparse.Namespace) -> None:
-    """Stream args.num_samples continuations of the prompt to stdout, separated by dashed lines."""
+    """Stream args.num_samples continuations to stdout, dashed lines between."""
     if args.num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
     if not 0 <= args.seed <= MAX_SEED:
@@ -101,24 +101,24 @@ def sample(args: argparse.Namespace) -> None:
     for i in range(args.num_samples):
         tokens = model.stream(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                               top_p=args.top_p, generator=gen, use_cache=not args.no_cache, slide=args.slide)
-        first = tok.decode(itertools.islice(tokens, 1))  # the model checks its options here, before any text
+        first = tok.decode(itertools.islice(tokens, 1))  # options are checked here, before any text
         print(("-" * 40 + "\n" if i else "") + prompt + first, end="")
         for token in tokens:
             print(tok.chars[int(token)], end="", flush=True)
-        print(flush=True)  # the text ends with its newline before the speed line, on a terminal too
+        print(flush=True)  # newline before the speed line, on a terminal too
     n, dt = args.num_samples * args.max_new_tokens, time.perf_counter() - t0
     print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):,.0f} tokens/s on {idx.device}]", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line; returns the exit status (0 ok, 1 a refused option or input)."""
+    """Command line; exit status 0, or 1 for a refused option or input."""
     args = build_parser().parse_args(argv)
     try:
         attention_png(args) if args.attention_png is not None else sample(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # the reader went away (`python sample.py | head`): stop quietly
+    except BrokenPipeError:  # reader gone (`sample.py | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     return 0

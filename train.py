@@ -24,23 +24,22 @@ from training.optim import configure_optimizers
 from training.runtime import autocast_context, peak_flops, resolve_device, resolve_dtype, run_facts
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-LONG_RUN_SECONDS = 15 * 60  # an estimate above this on a machine without CUDA suggests the CPU recipe
-EVAL_TOKENS_PER_FORWARD = 4096  # tokens per inference forward: the fastest grouping on a CPU (RESULTS.md)
-# the user's or the machine's doing: one line and exit status 1, no traceback
+LONG_RUN_SECONDS = 15 * 60  # a longer estimate without CUDA suggests the fast CPU recipe
+EVAL_TOKENS_PER_FORWARD = 4096  # fastest inference batch on a CPU (RESULTS.md)
+# user or machine errors: one line, exit status 1, no traceback
 RUN_ERRORS = (ValueError, FloatingPointError, ConnectionError, ImportError, OSError)
 
 
 def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
-    """Run the job cfg (a TrainConfig) describes (one rank under torchrun); returns summary.json's dict.
-    verbose=False: no output, no TensorBoard."""
+    """Run cfg (a TrainConfig), one rank under torchrun; returns summary.json's dict. verbose=False: no output."""
     t_start = time.perf_counter()
     dist = init_distributed(os.environ, cfg.device)
     device, out_dir = dist.device, Path(cfg.out_dir)
     ckpt_path = out_dir / checkpoint.CKPT_NAME
     guard = RunGuard(device, ckpt_path, dist.enabled, announce=verbose and dist.is_main)
     try:
-        # --- every check that can fail, before anything is written to out_dir ---
-        micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank, for the config's global batch
+        # --- checks that can fail, before writing to out_dir ---
+        micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank, same global batch
         corpus = load_corpus(cfg.dataset, cfg.split, cfg.text_column)
         check_split_sizes(corpus, cfg.block_size)
         tok = corpus.tokenizer
@@ -50,7 +49,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         guard.float16, autocast = dtype == torch.float16, autocast_context(device, dtype)
         use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        # --- data on the device (int32: half of int64), the model, optimizers and resumed state ---
+        # --- data (int32: half of int64), model, optimizers, resumed state ---
         train_data, val_data = (torch.from_numpy(s.astype(np.int32)).to(device) for s in (corpus.train, corpus.val))
         torch.manual_seed(cfg.seed)
         batch_gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -62,7 +61,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         if not dist.is_main:  # a checkpoint holds rank 0's streams
             torch.manual_seed(dist.seed(cfg.seed, start))
             batch_gen.manual_seed(dist.seed(cfg.seed, start))
-        fwd = torch.compile(model) if use_compile else model  # checkpoints always come from `model`
+        fwd = torch.compile(model) if use_compile else model  # saves use `model`
         ddp_fwd = dist.wrap(fwd)
         facts = {"config": cfg.to_dict(), "run": run_facts(argv or []), "device": str(device),
                  "dtype": str(dtype).removeprefix("torch."), "compile": use_compile, "params": model.num_params(),
@@ -81,26 +80,25 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                  + (" compiled" if use_compile else "") + (f" | resumed at step {start}" if ckpt else "")
                  + (f" | {dist.world_size} processes" if dist.enabled else ""))
         if ckpt is None and ckpt_path.exists():
-            log.line(f"note: this run replaces {ckpt_path} at its first save (--resume continues it instead)")
+            log.line(f"note: the first save replaces {ckpt_path} (--resume continues it)")
         if device.type != "cuda" and verbose and dist.is_main:
             seconds, forward = estimated_seconds(model, cfg, start, len(val_data), device, autocast)
             log.line(f"estimated duration on this machine: {format_duration(seconds)} (one forward of a "
                      f"{cfg.batch_size}x{cfg.block_size} batch: {forward:.2f} s)")
             if seconds > LONG_RUN_SECONDS:
                 fast = os.path.relpath(CONFIGS / "shakespeare_char_cpu_fast.toml")
-                log.line(f"this is a GPU-sized run for this machine; one that finishes in minutes: "
-                         f"python train.py {fast}")
+                log.line(f"this is a GPU-sized run for this machine; for a run of minutes: python train.py {fast}")
         splits = {"train": train_data, "val": val_data}
         group = 1 if use_compile else max(1, EVAL_TOKENS_PER_FORWARD // (cfg.batch_size * cfg.block_size))
 
-        def save(steps: int, **extra: str) -> None:  # the state after `steps` optimizer steps, never a NaN one
+        def save(steps: int, **extra: str) -> None:  # never a NaN state
             guard.check_before_save(model)
             state = checkpoint.training_state(model, optimizers, cfg, tok, steps, best_val, batch_gen, history)
             checkpoint.save_checkpoint(ckpt_path, {**state, **extra})
 
         guard.arm()
         # --- the loop ---
-        stop, done = None, start  # the signal that stopped the run; steps completed
+        stop, done = None, start  # stopping signal; steps done
         for step in range(start, cfg.max_iters + 1):
             last_step = step == cfg.max_iters
             lr = set_lr(optimizers, step, cfg)
@@ -109,11 +107,11 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                     try:
                         losses = estimate_loss(fwd, splits, cfg.batch_size, cfg.block_size, cfg.eval_iters,
                                                cfg.seed + 1, device, autocast, group, guard.stopping, verbose)
-                    except Stopped:  # nothing of this estimate is recorded
+                    except Stopped:  # the estimate is dropped
                         stop = guard.signum
                         break
                     if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
-                        guard.check_before_save(model)  # names the first non-finite training loss, if any
+                        guard.check_before_save(model)  # raises first if a train loss was non-finite
                         raise FloatingPointError(f"the loss estimate at step {step} is not finite ({losses}); "
                                                  f"stopped without saving: {guard.kept()}")
                     history.append(log.evaluation(step, losses, t_start))
@@ -146,7 +144,7 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
             log.step_done(step, loss, lr, grad_norm, log_step)
             if stop is not None:
                 break
-        # --- the exact val loss (skipped when stopped), and the summary ---
+        # --- exact val loss (unless stopped), summary ---
         final_val = None
         if cfg.exact_val and stop is None and dist.is_main:
             try:
@@ -174,20 +172,20 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
 
 
 def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
-    """argv with this device's recipe in front when it names no config, and the line saying which (else None)."""
+    """argv with this device's recipe prepended if it names no config, and a line saying which (or None)."""
     if argv and not argv[0].startswith("--"):
         return argv, None
     only_device = argparse.ArgumentParser(add_help=False)
-    only_device.add_argument("--device", default="auto")  # reads --device=x and --device x alike
+    only_device.add_argument("--device", default="auto")  # --device=x and --device x
     kind = resolve_device(only_device.parse_known_args(argv)[0].device).type
-    name, why = {"cuda": ("shakespeare_char.toml", "the baby GPT, for a CUDA GPU"),
-                 "mps": ("shakespeare_char_cpu.toml", "nanoGPT's laptop recipe, for Apple's GPU (MPS)")}.get(
-        kind, ("shakespeare_char_cpu_fast.toml", "the fast CPU recipe: this machine has no CUDA GPU"))
+    name, why = {"cuda": ("shakespeare_char.toml", "the baby GPT, for CUDA"),
+                 "mps": ("shakespeare_char_cpu.toml", "nanoGPT's laptop recipe, for MPS")}.get(
+        kind, ("shakespeare_char_cpu_fast.toml", "the fast CPU recipe: no CUDA GPU here"))
     return [str(CONFIGS / name), *argv], f"no config given: training configs/{name}, {why} (pass a config to choose)"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line; returns the exit status (0 done, 1 an error, 128 + N stopped by signal N)."""
+    """Command line; returns exit status (0 done, 1 error, 128 + N stopped by signal N)."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         try:
@@ -206,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if not quiet:
             print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a Ctrl-C during set-up, or a second one in the loop
+    except KeyboardInterrupt:  # Ctrl-C in set-up, or a second one in the loop
         print("interrupted: exited at once without saving; the last checkpoint is as it was", file=sys.stderr)
         return exit_code("SIGINT")
     return exit_code(summary["interrupted"]) if summary["interrupted"] else 0

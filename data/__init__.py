@@ -1,4 +1,4 @@
-"""Text -> tokens -> batches: where the text comes from (text.py) and how it becomes batches (corpus.py)."""
+"""Text -> tokens -> batches: sources in text.py, batching in corpus.py."""
 
 from .corpus import CharTokenizer, Corpus, check_split_sizes, eval_windows, get_batch, inputs_and_targets, load_corpus
 from .text import decode_utf8

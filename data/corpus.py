@@ -1,4 +1,4 @@
-"""Text -> character tokens -> train/val splits -> (x, y) batches, y shifted in inputs_and_targets only."""
+"""Text -> char tokens -> train/val splits -> (x, y) batches."""
 
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -14,26 +14,26 @@ TOKEN_DTYPE = np.uint16  # 65,536 symbols at most
 
 
 class CharTokenizer:
-    """One token per character, ids in the order given (encode_corpus sorts them, as nanoGPT does)."""
+    """One token per character, ids in the given order (encode_corpus sorts, as nanoGPT)."""
 
     def __init__(self, chars: Iterable[str]) -> None:
         self.chars: list[str] = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         if not 0 < len(self.stoi) == len(self.chars) or not all(isinstance(c, str) and len(c) == 1 for c in self.chars):
-            raise ValueError("CharTokenizer needs a non-empty list of distinct single characters")
+            raise ValueError("CharTokenizer needs one or more distinct single characters")
 
     @property
     def vocab_size(self) -> int:
         return len(self.chars)
 
     def encode(self, text: str) -> list[int]:
-        """str -> ids; characters outside the vocabulary raise a ValueError naming them."""
+        """str -> ids; unknown characters raise a ValueError naming them."""
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """encode, vectorised: (N,) uint16."""
+        """Vectorised encode: (N,) uint16."""
         codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        table = np.full(0x110000, -1, dtype=np.int32)  # id by code point, -1: not in the vocabulary
+        table = np.full(0x110000, -1, dtype=np.int32)  # id by code point; -1: unknown
         table[[ord(c) for c in self.chars]] = np.arange(self.vocab_size)
         ids = table[codes]
         if (ids < 0).any():
@@ -59,7 +59,7 @@ class CharTokenizer:
 
 @dataclass
 class Corpus:
-    """The encoded splits of one text: train (N_train,) and val (N_val,) token ids."""
+    """Encoded splits of one text: train (N_train,) and val (N_val,) ids."""
 
     train: np.ndarray
     val: np.ndarray
@@ -68,7 +68,7 @@ class Corpus:
 
 
 def encode_corpus(text: str, name: str) -> Corpus:
-    """Vocabulary = the sorted characters of the whole text; the first 90 % is train, the rest val."""
+    """Vocabulary: the text's sorted characters; first 90 % train, the rest val."""
     if not text:
         raise ValueError(f"corpus {name} is empty")
     chars = sorted(set(text))
@@ -81,22 +81,22 @@ def encode_corpus(text: str, name: str) -> Corpus:
 
 
 def load_corpus(dataset: str, split: str = "", text_column: str = "") -> Corpus:
-    """encode_corpus of load_text(dataset, split, text_column)."""
+    """encode_corpus(load_text(...))."""
     return encode_corpus(*load_text(dataset, split, text_column))
 
 
 def check_split_sizes(corpus: Corpus, block_size: int) -> None:
-    """Both splits must hold one window of block_size + 1 tokens (the inputs and their targets)."""
+    """Raise unless both splits hold block_size + 1 tokens (inputs and targets)."""
     n, split = min((len(corpus.train), "train"), (len(corpus.val), "val"))
     if n < block_size + 1:
         smaller = f"--block_size={n - 1} or less" if n >= 2 else "a smaller block_size"
         raise ValueError(f"the {split} split of {corpus.name} has {n:,} tokens; block_size={block_size} needs at least "
-                         f"{block_size + 1:,}. Use a longer corpus (val is the last 10 % of it) or {smaller}")
+                         f"{block_size + 1:,}. Use a longer corpus (val is its last 10 %) or {smaller}")
 
 
 def get_batch(data: np.ndarray | Tensor, batch_size: int, block_size: int,
               generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """x, y (B, T) int64 from random windows data[i : i + T + 1] of data (N,), numpy or a tensor (gathered there)."""
+    """x, y (B, T) int64 from random windows data[i : i + T + 1] of data (N,) (numpy or tensor)."""
     n = len(data)
     if n < block_size + 1:
         raise ValueError(f"data has {n} tokens; a batch needs at least block_size + 1 = {block_size + 1}")
@@ -110,10 +110,10 @@ def get_batch(data: np.ndarray | Tensor, batch_size: int, block_size: int,
 
 
 def inputs_and_targets(windows: Tensor) -> tuple[Tensor, Tensor]:
-    """The label shift: windows (B, T + 1) -> x = windows[:, :-1], y = windows[:, 1:], (B, T) each."""
+    """Label shift: windows (B, T + 1) -> x = windows[:, :-1], y = windows[:, 1:], (B, T) each."""
     return windows[:, :-1], windows[:, 1:]
 
 
 def eval_windows(data: np.ndarray | Tensor, block_size: int) -> list[tuple[int, int]]:
-    """(start, length) windows whose targets cover data[1:] once, in order; the last may be shorter."""
+    """(start, length) windows whose targets cover data[1:] once, in order."""
     return [(s, min(block_size, len(data) - 1 - s)) for s in range(0, len(data) - 1, block_size)]

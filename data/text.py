@@ -1,4 +1,4 @@
-"""Where the text comes from: bundled Tiny Shakespeare, a UTF-8 file, a folder of .txt files or `hf:NAME[:SPLIT]`."""
+"""Text sources: bundled Tiny Shakespeare, a UTF-8 file, a folder of .txt files or `hf:NAME[:SPLIT]`."""
 
 import glob
 import hashlib
@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-# Tiny Shakespeare (public domain) ships with the code: the default corpus needs no network
+# bundled (public domain): the default corpus needs no network
 SHAKESPEARE = Path(__file__).resolve().parent.parent / "corpora" / "tinyshakespeare.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 HF_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
@@ -15,7 +15,7 @@ SPLIT_ORDER = {"train": 0, "validation": 1, "test": 2}  # so val, the last 10 %,
 
 
 def decode_utf8(raw: bytes, name: str) -> str:
-    """bytes -> str, or a ValueError naming the file, the first bad byte and how to convert the file."""
+    """bytes -> str, or ValueError naming the file, first bad byte and a fix."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -24,7 +24,7 @@ def decode_utf8(raw: bytes, name: str) -> str:
 
 
 def load_text(dataset: str, split: str = "", text_column: str = "") -> tuple[str, str]:
-    """(text, name) of shakespeare_char, hf:NAME[:SPLIT], a UTF-8 file or a folder's .txt files (sorted, not hidden)."""
+    """(text, name) of dataset; a folder gives its non-hidden .txt files, sorted."""
     if dataset == "shakespeare_char":
         raw = SHAKESPEARE.read_bytes()
         if hashlib.sha256(raw).hexdigest() != SHAKESPEARE_SHA256:
@@ -44,24 +44,24 @@ def load_text(dataset: str, split: str = "", text_column: str = "") -> tuple[str
 
 
 def hub_reachable() -> bool:
-    """Whether the Hugging Face Hub (HF_ENDPOINT) accepts a TCP connection within 3 s."""
+    """Whether HF_ENDPOINT accepts a TCP connection within 3 s."""
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=3.0).close()
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
         return True
     except OSError:
         return False
 
 
 def hf_text(spec: str, split: str, text_column: str) -> tuple[str, str]:
-    """The text column of a save_to_disk folder, data file(s) or hub id; all splits in SPLIT_ORDER unless one."""
+    """Text column of a save_to_disk folder, data file(s) or hub id; all splits in SPLIT_ORDER unless one."""
     name, _, spec_split = spec.partition(":")
     if split and spec_split and split != spec_split:
         raise ValueError(f"dataset=hf:{spec} names split {spec_split!r} but config field split={split!r}")
     split = split or spec_split
     path = Path(name).expanduser()
     if not path.exists() and not hub_reachable():
-        os.environ["HF_HUB_OFFLINE"] = "1"  # read when `datasets` is imported: the cache only, not 20 s of retries
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read on import: cache only, not 20 s of retries
     import datasets
 
     options = {"keep_linebreaks": True} if path.suffix == ".txt" or path.is_dir() and any(path.rglob("*.txt")) else {}
@@ -70,14 +70,14 @@ def hf_text(spec: str, split: str, text_column: str) -> tuple[str, str]:
             ds = datasets.load_from_disk(str(path))
         elif path.is_file():
             if path.suffix not in HF_BUILDERS:
-                raise ValueError(f"expected a {', '.join(HF_BUILDERS)} file; for plain text drop the hf: prefix")
+                raise ValueError(f"expected a {', '.join(HF_BUILDERS)} file; for plain text drop hf:")
             ds = datasets.load_dataset(HF_BUILDERS[path.suffix], data_files=str(path), **options)
-        else:  # datasets infers the format and the splits
+        else:  # datasets infers format and splits
             ds = datasets.load_dataset(str(path.resolve()) if path.exists() else name, **options)
     except ConnectionError as e:
         raise ConnectionError(f"could not load hf:{name} ({e}). Offline? Pass a local copy instead: a folder written "
                               "by save_to_disk or data files as hf:PATH, or UTF-8 text as --dataset=PATH") from None
-    except Exception as e:  # noqa: BLE001 - datasets raises many types; the message names the dataset
+    except Exception as e:  # noqa: BLE001 - datasets raises many types
         raise ValueError(f"dataset=hf:{name}: {type(e.__cause__ or e).__name__}: {e.__cause__ or e}") from None
     splits = ds if isinstance(ds, datasets.DatasetDict) else {}
     if split and split not in splits:

@@ -1,7 +1,6 @@
-"""A decoder-only GPT: token (+ position) embeddings, pre-LayerNorm blocks, an LM head tied to the embedding.
+"""Decoder-only GPT: GPT-2's design (pre-LayerNorm, tied LM head) plus optional rotary positions and QK norm.
 
-GPT-2's (and nanoGPT's) defaults, plus two options the fast recipes use: rotary positions and QK
-normalisation. Shapes use the glossary in model/attention.py.
+Shapes: the glossary in model/attention.py.
 """
 
 import math
@@ -21,7 +20,7 @@ POS_EMBS = ("learned", "rope")
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    """Architecture of a GPT, validated when built."""
+    """GPT architecture, validated on creation."""
 
     vocab_size: int
     block_size: int = 256  # longest context
@@ -30,9 +29,9 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = False  # biases in Linear and LayerNorm
-    attn_backend: str = "manual"  # "manual": from scratch; "sdpa": PyTorch's fused kernel, same mask
-    pos_emb: str = "learned"  # "rope": rotate q and k by their position instead of adding a table
-    qk_norm: bool = False  # RMS-normalise q and k per head: bounded logits at a high lr
+    attn_backend: str = "manual"  # "manual": hand-written; "sdpa": PyTorch's kernel, same mask
+    pos_emb: str = "learned"  # "rope": rotate q, k by position instead of adding a table
+    qk_norm: bool = False  # RMS-norm q, k per head: bounded logits at high lr
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -41,7 +40,7 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
+        if not 0 <= self.dropout < 1:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         for name, choices in (("attn_backend", ATTN_BACKENDS), ("pos_emb", POS_EMBS)):
             if getattr(self, name) not in choices:
@@ -50,7 +49,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.pos_emb='rope' needs an even head width, got {self.n_embd // self.n_head}")
 
     def to_dict(self) -> dict:
-        """The fields as a plain dict (a checkpoint's model_config)."""
+        """Fields as a plain dict (checkpoint model_config)."""
         return asdict(self)
 
 
@@ -69,7 +68,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm residual block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
@@ -80,13 +79,13 @@ class Block(nn.Module):
         self.mlp = MLP(c)
 
     def forward(self, x: Tensor, mask: Tensor, rope: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
-        """(B, T, C) -> (B, T, C); the other arguments as CausalSelfAttention.forward's."""
+        """(B, T, C) -> (B, T, C); other args: CausalSelfAttention.forward's."""
         x = x + self.attn(self.ln_1(x), mask, rope, cache)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
-    """The language model: `forward` scores next tokens; `stream` and `generate` sample continuations."""
+    """Language model: `forward` scores next tokens; `stream`, `generate` sample."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -96,47 +95,47 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # weight tying: one matrix in and out
-        self.apply(self._init_weights)  # GPT-2's init, in nanoGPT's order: its runs reproduce
+        self.lm_head.weight = self.tok_emb.weight  # weight tying
+        self.apply(self._init_weights)  # GPT-2's init in nanoGPT's order: runs reproduce
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):  # residual projections: the stream's variance stays put with depth
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            if name.endswith("proj.weight"):  # residual projections: variance flat in depth
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
     def num_params(self) -> int:
-        """Number of parameters (the tied embedding counted once)."""
+        """Parameter count (tied embedding once)."""
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, T: int | None = None) -> float:
-        """Training FLOPs per token for MFU, counted as nanoGPT and PaLM do."""
+        """Training FLOPs per token for MFU (PaLM's count)."""
         T = T or self.config.block_size
         N = self.num_params() - (self.pos_emb.weight.numel() if self.pos_emb is not None else 0)
         return 6 * N + 12 * self.config.n_layer * self.config.n_embd * T
 
     def forward(self, idx: Tensor, targets: Tensor | None = None,
                 cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
-        """idx (B, T) -> logits (B, T, V) and, given targets (B, T), their mean cross-entropy (else None).
-        targets[:, t] FOLLOWS idx[:, t] (data shifted them). With a cache, idx follow its cache.length positions."""
+        """idx (B, T) -> logits (B, T, V), mean cross-entropy vs targets (B, T) or None.
+        targets[:, t] FOLLOWS idx[:, t] (already shifted). With a cache, idx start at cache.length."""
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}; "
-                             "crop the context to the last block_size tokens")
+                             "crop it to the last block_size tokens")
         x = self.tok_emb(idx)  # (B, T, C)
         positions = torch.arange(start, start + T, device=idx.device)  # (T,)
         rope = None
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
-        else:  # per forward, not a buffer: Module.to(dtype) would drop a complex buffer's imaginary part
+        else:  # not a buffer: Module.to(dtype) drops a complex buffer's imaginary part
             rope = rope_frequencies(positions, self.config.n_embd // self.config.n_head, dtype=x.dtype)
         x = F.dropout(x, self.config.dropout, self.training)
-        # (T, Tk), once per forward for every layer, built afresh: an edit of causal_mask reaches any model
+        # (T, Tk) for all layers; not cached, so a patched causal_mask takes effect
         mask = additive_mask(causal_mask(T, start + T, device=idx.device), x.dtype)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
@@ -147,23 +146,23 @@ class GPT(nn.Module):
         return logits, loss
 
     def new_cache(self, B: int) -> KVCache:
-        """An empty KV cache for B sequences of up to block_size positions."""
+        """Empty KV cache: B sequences, block_size positions."""
         c, w = self.config, self.tok_emb.weight
         return KVCache(c.n_layer, B, c.n_head, c.block_size, c.n_embd // c.n_head, w.device, w.dtype)
 
     @torch.inference_mode()
     def generate(self, idx: Tensor, max_new_tokens: int, **options: Any) -> Tensor:
-        """(B, T) prompt -> (B, T + max_new_tokens): the prompt and what `stream` draws after it."""
+        """(B, T) prompt -> (B, T + max_new_tokens): prompt, then `stream`'s tokens."""
         return torch.cat([idx, *(t[:, None] for t in self.stream(idx, max_new_tokens, **options))], dim=1)
 
     @torch.inference_mode()
     def stream(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, generator: torch.Generator | None = None, use_cache: bool = True,
                slide: int = 1) -> Iterator[Tensor]:
-        """Sample max_new_tokens tokens after the prompt idx (B, T >= 1), yielding each (B,) as it is drawn.
+        """Yield max_new_tokens tokens (B,) after prompt idx (B, T >= 1), one at a time.
 
-        With use_cache a step feeds only the newest token (use_cache=False: the same tokens). A full window drops
-        its first `slide` tokens and rebuilds the cache (slide=1 is nanoGPT's crop). The rest: sample_next's.
+        use_cache feeds only the newest token (same result). A full window drops its first `slide` tokens and
+        its cache (slide=1: nanoGPT's crop). Other options: sample_next's.
         """
         if idx.dim() != 2 or idx.size(1) < 1:
             raise ValueError(f"generate needs a (B, T>=1) prompt, got shape {tuple(idx.shape)}")
@@ -172,12 +171,12 @@ class GPT(nn.Module):
         block = self.config.block_size
         if isinstance(slide, bool) or not isinstance(slide, int) or not 1 <= slide <= block:
             raise ValueError(f"slide must be an integer in [1, block_size={block}], got {slide!r}")
-        context, cache = idx[:, -block:], None  # the window, and its keys' cache while valid
+        context, cache = idx[:, -block:], None  # window, and its KV cache while valid
         for _ in range(max_new_tokens):
             if use_cache and cache is None:
-                cache = self.new_cache(idx.size(0))  # (re-)prefill: the whole window in one forward
+                cache = self.new_cache(idx.size(0))  # (re-)prefill: whole window at once
             whole = cache is None or cache.length == 0
-            logits, _ = self(context if whole else context[:, -1:], cache=cache)  # else the newest token only
+            logits, _ = self(context if whole else context[:, -1:], cache=cache)  # else newest token only
             next_id = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B, 1)
             context = torch.cat((context, next_id), dim=1)
             if context.size(1) > block:
@@ -187,8 +186,7 @@ class GPT(nn.Module):
 
 def rope_frequencies(positions: Tensor, head_dim: int, base: float = 10000.0,
                      dtype: torch.dtype = torch.float32) -> Tensor:
-    """e^(i * p * base^(-2i/D)) for positions p (T,) and channel pairs i: (T, D/2) complex, float64 angles
-    for a float64 model, float32 otherwise."""
+    """e^(i p base^(-2i/D)) for positions p (T,), channel pairs i: (T, D/2) complex; float64 iff dtype is."""
     real = torch.float64 if dtype == torch.float64 else torch.float32
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=real, device=positions.device) / head_dim)
     angles = positions.to(real)[:, None] * inv_freq[None, :]  # (T, D/2)
@@ -197,25 +195,25 @@ def rope_frequencies(positions: Tensor, head_dim: int, base: float = 10000.0,
 
 def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                 generator: torch.Generator | None = None) -> Tensor:
-    """One token per row of logits (B, V): (B, 1) ids. Temperature first (0 = greedy), then top_k keeps
-    the k likeliest, then top_p keeps, of those, the smallest set whose mass reaches top_p."""
+    """logits (B, V) -> ids (B, 1). Temperature (0 = greedy), then the top_k likeliest, then of those
+    the smallest set whose mass reaches top_p."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
+    if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    # float64, shifted so the largest is 0: a tiny temperature sends the rest to -inf, not +inf (NaN)
+    # float64, max at 0: a tiny temperature sends the rest to -inf, not +inf (NaN)
     logits = logits.double()
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1): per row
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)  # (B, V)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p  # the mass before it already reaches top_p
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None and top_p < 1:
+        ranked, order = torch.sort(logits, descending=True)  # (B, V)
+        probs = torch.softmax(ranked, dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p  # mass before it reaches top_p
+        logits = torch.full_like(logits, -math.inf).scatter(-1, order, ranked.masked_fill(drop, -math.inf))
     return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)

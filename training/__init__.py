@@ -1,4 +1,4 @@
-"""What train.py and sample.py share: config, optimizers, evaluation, checkpoints, devices, logging."""
+"""Shared by train.py and sample.py: config, optimizers, evaluation, checkpoints, devices, logging."""
 
 from .checkpoint import CKPT_NAME, load_checkpoint, model_from_checkpoint, save_checkpoint
 from .config import TrainConfig, help_text, parse_args

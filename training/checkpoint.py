@@ -1,4 +1,4 @@
-"""Checkpoints: what one holds (training_state, plus "interrupted"), atomic writes, weights_only reads, resuming."""
+"""Checkpoints: contents, atomic writes, weights_only reads, resuming."""
 
 import json
 import math
@@ -19,11 +19,11 @@ CKPT_NAME = "ckpt.pt"
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
-    """write(f) into `.NAME.*.tmp` beside path, then rename it durably over path: old file or new."""
+    """write(f) into `.NAME.*.tmp` beside path, then rename it durably over path."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
-        with open(tmp, "xb") as f:  # open(), not mkstemp: the umask's permissions
+        with open(tmp, "xb") as f:  # not mkstemp: keeps the umask's permissions
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -39,7 +39,7 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
 
 
 def json_safe(value: Any) -> Any:
-    """value as plain JSON data, non-finite floats as None (strict JSON has no NaN or Infinity)."""
+    """value as strict-JSON data: non-finite floats become None."""
     return json.loads(json.dumps(value), parse_constant=lambda _: None)
 
 
@@ -49,7 +49,7 @@ def write_json(path: str | Path, value: Any) -> None:
 
 
 def remove_partial_saves(out_dir: str | Path) -> None:
-    """Delete the temporary files of writes killed mid-way."""
+    """Delete temporary files of killed writes."""
     for tmp in Path(out_dir).glob(".*.tmp"):
         tmp.unlink(missing_ok=True)
 
@@ -64,12 +64,12 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint with weights_only=True after checking every record's CRC-32 (torch.load does not)."""
+    """Read with weights_only=True after checking each record's CRC-32 (torch.load does not)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a directory, not a checkpoint: give {path / CKPT_NAME}")
     if not path.is_file():
-        raise ValueError(f"no checkpoint at {path}: train one (python train.py), or give another --out_dir or --ckpt")
+        raise ValueError(f"no checkpoint at {path}: train one (python train.py) or give another --out_dir or --ckpt")
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -82,7 +82,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     except pickle.UnpicklingError as e:
         raise ValueError(f"{path} holds pickled objects other than tensors and plain data; refused (they could "
                          f"run code): {str(e).splitlines()[-1]}") from None
-    except Exception as e:  # noqa: BLE001 - torch raises several types for damaged archives
+    except Exception as e:  # noqa: BLE001 - torch raises many types here
         raise ValueError(f"{path} is not a loadable checkpoint: {type(e).__name__}: {e}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path} is not a checkpoint written by this project (format {FORMAT})")
@@ -91,18 +91,18 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cpu",
                           **overrides: Any) -> tuple[GPT, CharTokenizer]:
-    """The model and tokenizer a checkpoint holds; overrides: GPTConfig fields (dropout, attn_backend)."""
+    """Model and tokenizer of ckpt; overrides: GPTConfig fields (dropout, attn_backend)."""
     try:
         model = GPT(GPTConfig(**{**ckpt["model_config"], **overrides}))
         model.load_state_dict(ckpt["model"])
     except (TypeError, RuntimeError) as e:
-        raise ValueError(f"checkpoint model_config and weights do not describe one GPT: {e}") from None
+        raise ValueError(f"checkpoint model_config does not fit its weights: {e}") from None
     return model.to(device), CharTokenizer.from_dict(ckpt["vocab"])
 
 
 def training_state(model: GPT, optimizers: list[torch.optim.Optimizer], cfg: Any, tok: CharTokenizer, step: int,
                    best_val: float, batch_gen: torch.Generator, history: list[dict]) -> dict[str, Any]:
-    """What a checkpoint holds to continue a run after `step` optimizer steps, random streams included."""
+    """Checkpoint contents to continue after `step` optimizer steps, RNG streams included."""
     rng = {"torch": torch.get_rng_state(), "batch": batch_gen.get_state()}
     if model.tok_emb.weight.is_cuda:
         rng["cuda"] = torch.cuda.get_rng_state(model.tok_emb.weight.device)
@@ -112,7 +112,7 @@ def training_state(model: GPT, optimizers: list[torch.optim.Optimizer], cfg: Any
 
 
 def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, device: torch.device) -> dict[str, Any]:
-    """The checkpoint --resume continues; a ValueError, before anything is written, if it cannot."""
+    """The checkpoint --resume continues; ValueError (before any write) if it cannot."""
     path = Path(cfg.out_dir) / CKPT_NAME
     if not path.exists():
         raise ValueError(f"--resume: no checkpoint at {path}; without --resume the run starts afresh there")
@@ -125,7 +125,7 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
                          "afresh, or give a new --out_dir to keep the old run")
     theirs = CharTokenizer.from_dict(ckpt["vocab"])
     if theirs != tok:
-        raise ValueError("cannot resume: the checkpoint was trained on another vocabulary (differing: "
+        raise ValueError("cannot resume: the checkpoint has another vocabulary (differing: "
                          f"{sorted(set(theirs.chars) ^ set(tok.chars))[:10]}). Use its dataset, or drop --resume")
     step, summary = ckpt["step"], path.parent / "summary.json"
     finished = step == cfg.max_iters and not ckpt.get("interrupted") and summary.exists()
@@ -137,8 +137,8 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
 
 def restore(ckpt: dict[str, Any] | None, optimizers: list[torch.optim.Optimizer], batch_gen: torch.Generator,
             device: torch.device) -> tuple[int, float, list[dict]]:
-    """Put a checkpoint's optimizer and RNG states back; returns (step, best val loss, the evals before step)."""
-    if ckpt is None:  # a fresh run
+    """Restore optimizer and RNG states; returns (step, best val loss, evals before step)."""
+    if ckpt is None:
         return 0, math.inf, []
     for opt, state in zip(optimizers, ckpt["optimizers"], strict=True):
         opt.load_state_dict(state)

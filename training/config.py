@@ -1,4 +1,4 @@
-"""The training config (nanoGPT's field names): a frozen dataclass filled from TOML, then --field=value overrides."""
+"""Training config (nanoGPT's field names): frozen dataclass from TOML, then --field=value overrides."""
 
 import dataclasses
 import difflib
@@ -11,8 +11,8 @@ from typing import Any, Self
 from model import GPTConfig
 from model.gpt import ATTN_BACKENDS, POS_EMBS
 
-MAX_SEED = 2**62  # derived seeds (seed + rank + world * step) stay inside torch's 64-bit range
-RANGES = {  # a field's `rule`; the model's fields are GPTConfig's to check
+MAX_SEED = 2**62  # seed + rank + world * step stays in torch's 64-bit range
+RANGES = {  # a field's `rule`; GPTConfig checks the model's fields
     ">= 1": lambda v: v >= 1,
     "> 0": lambda v: v > 0,
     ">= 0": lambda v: v >= 0,
@@ -29,46 +29,46 @@ def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, rule: st
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Everything a run needs, validated on construction; errors name the field."""
+    """Everything a run needs, validated on construction."""
 
     dataset: str = _f("shakespeare_char", "shakespeare_char (bundled), a .txt file or folder, or hf:NAME[:SPLIT]")
-    split: str = _f("", "hf: datasets only: the split ('' = all, concatenated)")
-    text_column: str = _f("", "hf: datasets only: the text column ('' = 'text' or the only string column)")
-    out_dir: str = _f("out", "run directory: checkpoint, summary.json, config.json, TensorBoard events")
-    n_layer: int = _f(6, "number of transformer blocks")
-    n_head: int = _f(6, "attention heads per block (must divide n_embd)")
+    split: str = _f("", "hf: only: split ('' = all, concatenated)")
+    text_column: str = _f("", "hf: only: text column ('' = 'text' or the only string column)")
+    out_dir: str = _f("out", "run folder: checkpoint, summary, config, TensorBoard events")
+    n_layer: int = _f(6, "transformer blocks")
+    n_head: int = _f(6, "attention heads (must divide n_embd)")
     n_embd: int = _f(384, "embedding width")
     block_size: int = _f(256, "context length in tokens")
-    dropout: float = _f(0.2, "dropout probability (embeddings, attention weights, residuals)")
-    bias: bool = _f(False, "biases in Linear and LayerNorm layers")
-    attn_backend: str = _f("manual", "the from-scratch attention, or PyTorch's fused kernel", ATTN_BACKENDS)
-    pos_emb: str = _f("learned", "positions: a learned table, or rotary q/k (rope)", POS_EMBS)
+    dropout: float = _f(0.2, "dropout on embeddings, attention, residuals")
+    bias: bool = _f(False, "biases in Linear and LayerNorm")
+    attn_backend: str = _f("manual", "from-scratch attention, or PyTorch's fused kernel", ATTN_BACKENDS)
+    pos_emb: str = _f("learned", "learned position table, or rotary q/k (rope)", POS_EMBS)
     qk_norm: bool = _f(False, "RMS-normalise queries and keys per head")
     batch_size: int = _f(64, "sequences per micro-batch", rule=">= 1")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step", rule=">= 1")
     max_iters: int = _f(5000, "optimizer steps", rule=">= 1")
     learning_rate: float = _f(1e-3, "peak learning rate", rule="> 0")
-    min_lr: float = _f(1e-4, "learning rate at the end of the decay, and after it", rule=">= 0")
-    warmup_iters: int = _f(100, "steps of linear warmup", rule=">= 0")
-    lr_decay_iters: int = _f(5000, "step at which the decay reaches min_lr", rule=">= 0")
+    min_lr: float = _f(1e-4, "lr at the end of the decay and after", rule=">= 0")
+    warmup_iters: int = _f(100, "linear warmup steps", rule=">= 0")
+    lr_decay_iters: int = _f(5000, "step where the decay reaches min_lr", rule=">= 0")
     lr_schedule: str = _f("cosine", "cosine, or wsd: warmup, stable, linear cooldown", ("cosine", "wsd"))
-    cooldown_frac: float = _f(0.3, "wsd only: the last fraction of lr_decay_iters spent decaying", rule="in [0, 1]")
-    optimizer: str = _f("adamw", "AdamW, or Muon for the blocks' matrices and AdamW for the rest", ("adamw", "muon"))
-    muon_lr: float = _f(0.02, "Muon's peak learning rate (scheduled like learning_rate)", rule=">= 0")
+    cooldown_frac: float = _f(0.3, "wsd: last fraction of lr_decay_iters spent decaying", rule="in [0, 1]")
+    optimizer: str = _f("adamw", "AdamW, or Muon for the blocks' matrices (AdamW for the rest)", ("adamw", "muon"))
+    muon_lr: float = _f(0.02, "Muon's peak lr (scheduled like learning_rate)", rule=">= 0")
     muon_momentum: float = _f(0.95, "Muon's momentum", rule="in [0, 1]")
     weight_decay: float = _f(0.1, "AdamW weight decay (2-D weights only)", rule=">= 0")
     beta1: float = _f(0.9, "AdamW beta1", rule="in [0, 1)")
     beta2: float = _f(0.99, "AdamW beta2", rule="in [0, 1)")
-    grad_clip: float = _f(1.0, "clip the gradient norm to this (0 = off)", rule=">= 0")
-    eval_interval: int = _f(250, "estimate train/val loss every this many steps", rule=">= 1")
+    grad_clip: float = _f(1.0, "gradient-norm clip (0 = off)", rule=">= 0")
+    eval_interval: int = _f(250, "steps between train/val loss estimates", rule=">= 1")
     eval_iters: int = _f(200, "batches per loss estimate", rule=">= 1")
-    log_interval: int = _f(10, "update the progress line every this many steps", rule=">= 1")
-    exact_val: bool = _f(True, "at the end, the exact loss over the whole val split")
+    log_interval: int = _f(10, "steps between progress-line updates", rule=">= 1")
+    exact_val: bool = _f(True, "at the end, exact loss over the whole val split")
     always_save_checkpoint: bool = _f(False, "save at every eval, not only when val improves")
-    tensorboard: bool = _f(True, "write TensorBoard event files to out_dir")
-    sample_tokens: int = _f(200, "characters of the TensorBoard text sample at each eval (0 = none)", rule=">= 0")
-    seed: int = _f(1337, "seeds the model init, the batches and dropout", rule="in [0, 2**62]")
-    device: str = _f("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    tensorboard: bool = _f(True, "write TensorBoard events to out_dir")
+    sample_tokens: int = _f(200, "characters of TensorBoard text sample per eval (0 = none)", rule=">= 0")
+    seed: int = _f(1337, "seeds model init, batches and dropout", rule="in [0, 2**62]")
+    device: str = _f("auto", "auto (cuda, mps, then cpu), cpu, cuda, cuda:N or mps")
     dtype: str = _f("auto", "autocast dtype (auto: bfloat16 where fast)", ("auto", "float32", "bfloat16", "float16"))
     compile: str = _f("auto", "torch.compile the model (auto = on for CUDA)", ("auto", "true", "false"))
     resume: bool = _f(False, "continue from out_dir/ckpt.pt")
@@ -95,15 +95,15 @@ class TrainConfig:
                              f"warmup_iters={self.warmup_iters} ends; give lr_decay_iters >= warmup_iters")
         if self.min_lr > self.learning_rate:
             raise ValueError(f"config field min_lr={self.min_lr} exceeds learning_rate={self.learning_rate}")
-        if not (self.device in ("auto", "cpu", "cuda", "mps") or re.fullmatch(r"cuda:\d+", self.device)):
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device):
             raise ValueError(f"config field device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
         try:
-            self.model_config(1)  # GPTConfig checks the model's fields
+            self.model_config(1)
         except ValueError as e:
             raise ValueError(str(e).replace("GPTConfig.", "config field ")) from None
 
     def model_config(self, vocab_size: int) -> GPTConfig:
-        """The architecture, for a corpus of vocab_size symbols."""
+        """The architecture for vocab_size symbols."""
         names = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size"}
         return GPTConfig(vocab_size=vocab_size, **{n: getattr(self, n) for n in names})
 
@@ -118,7 +118,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
 def check_key(key: str, where: str = "") -> None:
-    """Raise for a key TrainConfig lacks, naming the closest keys (else all)."""
+    """Raise for an unknown key, naming the closest keys (else all)."""
     if key not in FIELDS:
         close = difflib.get_close_matches(key, FIELDS, n=3)
         hint = f"did you mean {' or '.join(close)}?" if close else f"valid keys: {', '.join(FIELDS)}"
@@ -126,7 +126,7 @@ def check_key(key: str, where: str = "") -> None:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """A TOML config file as a dict (never executed); an unknown key is an error."""
+    """A TOML config file as a dict; an unknown key is an error."""
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
@@ -139,13 +139,13 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    """`[CONFIG.toml] [--field=value | --field value | --flag] ...` -> the config."""
+    """`[CONFIG.toml] [--field=value | --field value | --flag] ...` -> config."""
     args = list(argv)
     values = load_toml(args.pop(0)) if args and not args[0].startswith("--") else {}
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}: only the config file may come without --")
+            raise ValueError(f"unexpected argument {arg!r}: only the config file comes without --")
         key, eq, text = arg[2:].partition("=")
         check_key(key)
         kind = FIELDS[key].type
@@ -162,10 +162,10 @@ def parse_args(argv: list[str]) -> TrainConfig:
 
 
 def help_text() -> str:
-    """Usage, then every field with its type, default and meaning."""
+    """Usage, then each field's type, default and meaning."""
     lines = ["usage: python train.py [CONFIG.toml] [--field=value ...]", "",
-             "Trains a character-level GPT. Without a config it picks the recipe for this machine. The TOML file",
-             "(e.g. configs/debug.toml) goes first, then the overrides; a bare --flag sets a bool.", "", "fields:"]
+             "Trains a character-level GPT (no config: the recipe for this machine). The TOML file",
+             "(e.g. configs/debug.toml) goes first, then overrides; a bare --flag sets a bool.", "", "fields:"]
     for f in FIELDS.values():
         kind = "|".join(f.metadata["choices"] or (f.type.__name__,))
         lines += [f"  --{f.name}={kind}  (default: {f.default!r})", f"      {f.metadata['help']}"]

@@ -1,4 +1,4 @@
-"""DistributedDataParallel under torchrun: rank 0 alone logs, evaluates and writes; ranks share the micro-batches."""
+"""DDP under torchrun: rank 0 alone logs, evaluates and writes; ranks share the micro-batches."""
 
 import contextlib
 from collections.abc import Mapping
@@ -14,7 +14,7 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 @dataclass(frozen=True, kw_only=True)
 class Dist:
-    """Where this process stands: rank `rank` of `world_size` (a plain run is rank 0 of 1)."""
+    """Rank `rank` of `world_size` (a plain run is rank 0 of 1)."""
 
     rank: int = 0
     world_size: int = 1
@@ -26,7 +26,7 @@ class Dist:
         return self.rank == 0
 
     def micro_steps(self, gradient_accumulation_steps: int) -> int:
-        """Micro-batches this rank runs per optimizer step; refuses a count the ranks cannot share."""
+        """This rank's micro-batches per optimizer step; refuses a count the ranks cannot share."""
         steps, n = gradient_accumulation_steps, self.world_size
         if steps % n:
             raise ValueError(f"gradient_accumulation_steps={steps} cannot be split across {n} processes: use a "
@@ -34,18 +34,18 @@ class Dist:
         return steps // n
 
     def seed(self, seed: int, step: int = 0) -> int:
-        """This rank's seed for a run (re)started at `step`: a checkpoint holds rank 0's streams only."""
+        """This rank's seed for a run (re)started at `step` (checkpoints hold rank 0's RNG only)."""
         return seed + self.rank + self.world_size * step
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        """DDP around module when distributed (checkpoints come from the unwrapped one)."""
+        """module in DDP when distributed (save the unwrapped one)."""
         if not self.enabled:
             return module
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
 
     def sync_gradients(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        """One micro-batch's forward and backward: DDP all-reduces on the step's last one only."""
+        """Context for a micro-batch's forward/backward: DDP all-reduces on the last only."""
         return model.no_sync() if self.enabled and not last_micro_step else contextlib.nullcontext()
 
 
@@ -54,7 +54,7 @@ def launched_by_torchrun(env: Mapping[str, str]) -> bool:
 
 
 def init_distributed(env: Mapping[str, str], device_name: str) -> Dist:
-    """Join torchrun's process group (NCCL on cuda:LOCAL_RANK, else gloo) if launched by it, else one process."""
+    """Join torchrun's process group (NCCL on cuda:LOCAL_RANK, else gloo) if launched by it."""
     device = resolve_device(device_name)
     if not launched_by_torchrun(env):
         return Dist(device=device)
@@ -63,7 +63,7 @@ def init_distributed(env: Mapping[str, str], device_name: str) -> Dist:
         raise ValueError(f"{device_name!r}: under torchrun each process uses cuda:LOCAL_RANK; use --device=cuda")
     if device.type == "mps":
         if device_name != "auto":
-            raise ValueError("device='mps' cannot run distributed (NCCL and gloo do not support it); use --device=cpu")
+            raise ValueError("device='mps' cannot run distributed (NCCL and gloo lack it); use --device=cpu")
         device = torch.device("cpu")
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():

@@ -14,12 +14,12 @@ from data import eval_windows, get_batch, inputs_and_targets
 
 
 class Stopped(Exception):
-    """A stop signal arrived during an evaluation, which is abandoned unrecorded."""
+    """A stop signal arrived mid-evaluation; the evaluation is dropped."""
 
 
 @contextlib.contextmanager
 def evaluating(model: nn.Module) -> Iterator[nn.Module]:
-    """model in eval mode for the block, then back in its previous mode, even when the block raises."""
+    """model in eval mode for the block, then its previous mode, even if it raises."""
     was_training = model.training
     model.eval()
     try:
@@ -29,7 +29,7 @@ def evaluating(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def _bar(total: int, desc: str, show: bool) -> tqdm:
-    # terminal only, after 2 s: quick evaluations stay silent
+    # terminal only, after 2 s: quick evals stay silent
     return tqdm(total=total, desc=desc, unit="fwd", delay=2, leave=False, file=sys.stderr,
                 disable=None if show else True)
 
@@ -38,11 +38,11 @@ def _bar(total: int, desc: str, show: bool) -> tqdm:
 def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | Tensor], batch_size: int, block_size: int,
                   eval_iters: int, seed: int, device: torch.device | str, autocast=None, batches_per_forward: int = 1,
                   stop: Callable[[], bool] = lambda: False, show: bool = False) -> dict[str, float]:
-    """Mean loss over eval_iters batches (B, T) of each split (N,); stop() true before a forward raises Stopped."""
+    """Mean loss over eval_iters batches (B, T) of each split (N,); raises Stopped if stop() before a forward."""
     out = {}
     with evaluating(model), _bar(len(splits) * -(-eval_iters // batches_per_forward), "estimate", show) as bar:
         for name, data in splits.items():
-            # seeded on every call: every estimate sees the same windows and training's draw is untouched
+            # reseeded per call: same windows each time, training's draw untouched
             gen = torch.Generator(device=data.device if isinstance(data, Tensor) else "cpu").manual_seed(seed)
             total = torch.zeros((), device=device)
             for first in range(0, eval_iters, batches_per_forward):
@@ -53,7 +53,7 @@ def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | Tensor], batc
                 x, y = (torch.cat(t) for t in zip(*group, strict=True))  # (n * B, T)
                 with autocast or contextlib.nullcontext():
                     _, loss = model(x, y)
-                total += loss.float() * len(group)  # the mean of len(group) equal-sized batch means
+                total += loss.float() * len(group)  # len(group) equal-sized batch means
                 bar.update()
             out[name] = (total / eval_iters).item()  # one sync per split
     return out
@@ -63,12 +63,12 @@ def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | Tensor], batc
 def exact_loss(model: nn.Module, data: np.ndarray | Tensor, block_size: int, batch_size: int,
                device: torch.device | str, autocast=None, stop: Callable[[], bool] = lambda: False,
                show: bool = False) -> float:
-    """Mean cross-entropy over every target of a split (N,) once, each in its eval_windows window."""
+    """Mean cross-entropy over each target of a split (N,) once, in its eval_windows window."""
     data = data if isinstance(data, Tensor) else torch.from_numpy(data.astype(np.int64))
     windows = eval_windows(data, block_size)
     full = torch.tensor([s for s, n in windows if n == block_size], dtype=torch.long)
     chunks = [data[(s[:, None] + torch.arange(block_size + 1)).to(data.device)] for s in full.split(batch_size)]
-    chunks += [data[s:s + n + 1][None] for s, n in windows if n < block_size]  # (b, T + 1) each, the last shorter
+    chunks += [data[s:s + n + 1][None] for s, n in windows if n < block_size]  # (b, T + 1), last shorter
     total = torch.zeros((), dtype=torch.float64, device=device)
     with evaluating(model), _bar(len(chunks), "exact val", show) as bar:
         for chunk in chunks:

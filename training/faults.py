@@ -1,4 +1,4 @@
-"""Stopping a run safely on SIGINT/SIGTERM, and never saving after a non-finite loss (checked on the device)."""
+"""Stopping safely on SIGINT/SIGTERM; never saving after a non-finite loss (checked on device)."""
 
 import os
 import signal
@@ -8,55 +8,55 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-NO_STEP = 2**62  # "no bad step yet": larger than any step, so a MIN over steps and ranks keeps real ones
+NO_STEP = 2**62  # "no bad step yet": above any step, so a MIN over ranks keeps real ones
 
 
 class RunGuard:
-    """Watches one run for stop signals and non-finite losses; distributed: poll() agrees with the other ranks."""
+    """Watches a run for stop signals and non-finite losses; poll() agrees across ranks."""
 
     def __init__(self, device: torch.device, ckpt_path: str | Path, distributed: bool, announce: bool) -> None:
         self.ckpt_path, self.distributed, self.announce = Path(ckpt_path), distributed, announce
-        self.float16 = False  # set by the trainer: adds the bfloat16 hint to the advice
-        self.signum: int | None = None  # the first stop signal
+        self.float16 = False  # set by train.py: advice adds the bfloat16 hint
+        self.signum: int | None = None  # first stop signal
         self._first_bad = torch.full((), NO_STEP, dtype=torch.int64, device=device)
         self._bad_loss = torch.zeros((), dtype=torch.float32, device=device)
         self._previous: dict[int, object] = {}
 
     def arm(self) -> None:
-        """Install the SIGINT/SIGTERM handlers (only the main thread may)."""
+        """Install SIGINT/SIGTERM handlers (main thread only)."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def disarm(self) -> None:
-        """Put back the handlers arm() replaced; safe to call twice."""
+        """Restore the handlers arm() replaced; idempotent."""
         while self._previous:
             signal.signal(*self._previous.popitem())
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signum is not None:
             self.disarm()
-            signal.raise_signal(signum)  # to the handler before ours: Python's SIGINT raises KeyboardInterrupt
+            signal.raise_signal(signum)  # previous handler: KeyboardInterrupt for SIGINT
             return
         self.signum = signum
-        if self.announce:  # os.write: print from a handler can raise "reentrant call"
+        if self.announce:  # os.write: print in a handler can raise "reentrant call"
             again = "Ctrl-C" if signum == signal.SIGINT else signal_name(signum)
             os.write(2, f"\nreceived {signal_name(signum)}: stopping at the end of this step and saving a "
                         f"checkpoint ({again} again to exit at once)\n".encode())
 
     def stopping(self) -> bool:
-        """A signal has arrived (polled in evaluations; a distributed run finishes them: the ranks wait)."""
+        """A signal arrived (polled in evals; distributed runs finish them: the ranks wait)."""
         return self.signum is not None and not self.distributed
 
     def observe(self, loss: Tensor, step: int) -> None:
-        """Record step if loss is the first non-finite one, without a host read."""
+        """Record step if loss is the first non-finite one (no host sync)."""
         loss = loss.detach().float()
         new_bad = ~torch.isfinite(loss) & (self._first_bad == NO_STEP)
         self._first_bad = torch.where(new_bad, step, self._first_bad)
         self._bad_loss = torch.where(new_bad, loss, self._bad_loss)
 
     def poll(self, sync: bool) -> int | None:
-        """At a step's end: the signal to stop for, or None (distributed: agreed at `sync` steps only)."""
+        """At a step's end: the signal to stop for, or None (distributed: agreed at `sync` steps)."""
         if not self.distributed:
             if sync or self.signum is not None:
                 self._raise_if_bad(self._first_bad.item(), local=True)
@@ -70,7 +70,7 @@ class RunGuard:
         return -signum or None
 
     def check_before_save(self, model: nn.Module) -> None:
-        """Refuse to save after a non-finite loss, or with non-finite weights."""
+        """Refuse to save after a non-finite loss or with non-finite weights."""
         self._raise_if_bad(self._first_bad.item(), local=True)
         if not torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all():
             raise self._error("the model's weights are no longer finite; stopped without saving")
@@ -85,9 +85,9 @@ class RunGuard:
         return FloatingPointError(f"{what}: {self.kept()}. {advice}.")
 
     def kept(self) -> str:
-        """What a run stopped for a non-finite loss leaves on disk."""
-        gone = f"no checkpoint was written ({self.ckpt_path} does not exist)"
-        return f"{self.ckpt_path} is untouched" if self.ckpt_path.exists() else gone
+        """What a stopped run leaves on disk."""
+        p = self.ckpt_path
+        return f"{p} is untouched" if p.exists() else f"no checkpoint was written ({p} does not exist)"
 
 
 def signal_name(signum: int) -> str:
@@ -95,5 +95,5 @@ def signal_name(signum: int) -> str:
 
 
 def exit_code(name: str) -> int:
-    """The shell's exit status for a process stopped by signal `name` (SIGINT: 130, SIGTERM: 143)."""
+    """Shell exit status for a process stopped by signal `name` (SIGINT: 130)."""
     return 128 + signal.Signals[name].value

@@ -1,4 +1,4 @@
-"""One logging path for a run: progress line, TensorBoard (scalars, sample, attention, HParams), clock, summary."""
+"""One logging path: progress line, TensorBoard (scalars, sample, attention, HParams), clock, summary."""
 
 import contextlib
 import json
@@ -24,11 +24,11 @@ from .visualize import prompt_attention, render_attention
 
 HPARAMS = ("n_layer", "n_embd", "n_head", "block_size", "optimizer", "pos_emb", "learning_rate", "max_iters")
 METRICS = ("val/loss", "val/loss_exact", "train/loss")
-ATTENTION_CHARS = 32  # the attention prompt: 32 x 32 cells per head stay readable
+ATTENTION_CHARS = 32  # attention prompt length: 32 x 32 cells stay readable
 
 
 def bpc(loss: float) -> float:
-    """Bits per character: a loss in nats / ln 2."""
+    """Loss in nats -> bits per character."""
     return loss / math.log(2)
 
 
@@ -44,19 +44,19 @@ def format_duration(seconds: float) -> str:
 @torch.no_grad()
 def estimated_seconds(model: GPT, cfg: TrainConfig, start_step: int, n_val: int, device: torch.device,
                       autocast) -> tuple[float, float]:
-    """(seconds of the run, seconds of one forward), from timing a forward of a zero batch (B, T)."""
+    """(run seconds, seconds per forward), timed on a zero batch (B, T)."""
     x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=device)
     with evaluating(model), autocast:
-        forward = min(timeit.repeat(lambda: model(x), number=1, repeat=2))  # the first pays one-time costs
+        forward = min(timeit.repeat(lambda: model(x), number=1, repeat=2))  # the first warms up
     steps = cfg.max_iters - start_step
-    # a training step costs 3 forwards (backward ~ 2), an eval 2 * eval_iters
+    # a step costs 3 forwards (backward ~ 2), an eval 2 * eval_iters
     forwards = 3 * steps * cfg.gradient_accumulation_steps + 2 * (steps // cfg.eval_interval + 1) * cfg.eval_iters
     forwards += cfg.exact_val * n_val / (cfg.batch_size * cfg.block_size)
     return forward * forwards, forward
 
 
 class RunLog:
-    """Progress line (a tqdm bar with an ETA on a terminal), TensorBoard and training clock; silent if not enabled."""
+    """Progress line (tqdm bar on a terminal), TensorBoard and training clock; silent unless enabled."""
 
     def __init__(self, cfg: TrainConfig, model: GPT, peak: float | None, initial: int, enabled: bool = True) -> None:
         self.cfg, self.enabled, self.peak = cfg, enabled, peak
@@ -66,7 +66,7 @@ class RunLog:
         self.bar = tqdm(total=cfg.max_iters, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
                         disable=not self.interactive)
         self.train_seconds, self.steps, self.interval_ms, self.mfu = 0.0, 0, [], None
-        self._mark, self._last = time.perf_counter(), (0, 0.0)  # (steps, train seconds) at the last log
+        self._mark, self._last = time.perf_counter(), (0, 0.0)  # (steps, train seconds) at last log
         self.writer = None
         if enabled and cfg.tensorboard:
             from tensorboard.plugins.hparams import summary_v2 as hp
@@ -78,7 +78,7 @@ class RunLog:
             self.writer.file_writer.add_summary(hp.hparams_pb(json_safe(cfg.to_dict()), trial_id=cfg.out_dir))
 
     def line(self, text: str) -> None:
-        """A message the bar must not overwrite."""
+        """Print text above the bar."""
         if self.interactive:
             self.bar.write(text, file=sys.stderr)
         elif self.enabled:
@@ -86,15 +86,15 @@ class RunLog:
 
     @contextlib.contextmanager
     def paused(self, device: torch.device) -> Iterator[None]:
-        """Stop the training clock for the block (evaluations, saves)."""
+        """Training clock stopped for the block (evals, saves)."""
         if device.type == "cuda":
-            torch.cuda.synchronize()  # the step's queued work belongs to training time
+            torch.cuda.synchronize()  # queued step work is training time
         self.train_seconds += time.perf_counter() - self._mark
-        yield  # no finally: an exception out of the block ends the run
+        yield  # no finally: an exception ends the run
         self._mark = time.perf_counter()
 
     def step_done(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | None, log: bool) -> None:
-        """After an optimizer step; at log steps (the only host reads) the progress line and scalars."""
+        """After each step; at log steps (the only host reads) progress line and scalars."""
         self.steps += 1
         self.bar.update()
         if not log:
@@ -122,7 +122,7 @@ class RunLog:
                 self.writer.add_scalar(name, value, step)
 
     def evaluation(self, step: int, losses: dict[str, float], t_start: float) -> dict:
-        """Log one eval's estimates; returns its history entry."""
+        """Log an eval's estimates; returns its history entry."""
         train, val = losses["train"], losses["val"]
         self.line(f"step {step}: train loss {train:.4f}, val loss {val:.4f} ({bpc(val):.3f} bpc)")
         self.scalars(step, {"train/loss_estimate": train, "val/loss": val, "val/bpc": bpc(val)})
@@ -130,7 +130,7 @@ class RunLog:
                 "wall_seconds": time.perf_counter() - t_start}
 
     def snapshot(self, step: int, model: GPT, chars: list[str], val: np.ndarray) -> None:
-        """A text sample (from its own generator) and the attention maps, to TensorBoard."""
+        """Text sample (own generator) and attention maps to TensorBoard."""
         if self.writer is None:
             return
         device = model.tok_emb.weight.device
@@ -147,7 +147,7 @@ class RunLog:
             self.writer.add_image(f"attention/layer_{layer}", image, step, dataformats="HWC")
 
     def finish(self, summary: dict, final_step: int, interrupted: str | None) -> None:
-        """The summary line, summary.json, the exact val scalars and the HParams session's end."""
+        """Summary line, summary.json, exact val scalars, HParams session end."""
         self.line("summary: " + json.dumps(json_safe({k: v for k, v in summary.items() if k != "history"})))
         if self.enabled:
             write_json(Path(self.cfg.out_dir) / "summary.json", summary)
@@ -155,7 +155,7 @@ class RunLog:
             if summary["final_val_loss"] is not None:
                 self.scalars(final_step, {"val/loss_exact": summary["final_val_loss"],
                                           "val/bpc_exact": summary["final_val_bpc"]})
-            if not interrupted:  # the HParams session ends
+            if not interrupted:  # session end
                 from torch.utils.tensorboard.summary import hparams
 
                 self.writer.file_writer.add_summary(hparams({}, {})[2], final_step)
@@ -163,7 +163,7 @@ class RunLog:
         self.bar.close()
 
     def summary(self, facts: dict, history: list[dict], **figures: Any) -> dict:
-        """The run's figures with bpc, the run facts and this process's throughput added."""
+        """figures plus bpc, run facts and this process's throughput."""
         seconds, final = self.train_seconds, figures["final_val_loss"]
         return {**figures, "final_val_bpc": None if final is None else bpc(final),
                 "last_val_estimate": history[-1]["val_loss"] if history else None,

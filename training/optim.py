@@ -1,4 +1,4 @@
-"""The optimizers (torch's AdamW; Muon for the blocks' matrices) and the learning-rate schedule."""
+"""Optimizers (torch's AdamW; Muon for the blocks' matrices) and the lr schedule."""
 
 import math
 
@@ -10,12 +10,12 @@ from .runtime import bf16_pays
 
 
 def orthogonalize(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """About U V^T for G = U S V^T (singular values in ~[0.7, 1.2]) by quintic Newton-Schulz; G: (..., rows, cols)."""
+    """~U V^T of G = U S V^T (singular values ~[0.7, 1.2]) by quintic Newton-Schulz; G: (..., rows, cols)."""
     X = G.to(dtype)
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values <= 1: it converges
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values <= 1 to converge
     tall = X.size(-2) > X.size(-1)
     if tall:
-        X = X.mT  # iterate on the wide side: X @ X^T is then the smaller Gram matrix
+        X = X.mT  # wide side: X @ X^T is the smaller Gram matrix
     for _ in range(5):
         A = X @ X.mT
         X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
@@ -23,7 +23,7 @@ def orthogonalize(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
 
 
 class Muon(torch.optim.Optimizer):
-    """Nesterov momentum, orthogonalised (Keller Jordan's Muon), for 2-D weight matrices."""
+    """Nesterov momentum, orthogonalised (Keller Jordan's Muon), for 2-D weights."""
 
     def __init__(self, params: list[Tensor], lr: float, momentum: float, ns_dtype: torch.dtype) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum))
@@ -33,7 +33,7 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure: None = None) -> None:
         for group in self.param_groups:
             lr, beta = group["lr"], group["momentum"]
-            by_shape: dict[torch.Size, list[Tensor]] = {}  # same-shape matrices as one batched product
+            by_shape: dict[torch.Size, list[Tensor]] = {}  # same shapes: one batched product
             for p in group["params"]:
                 if p.grad is not None:
                     by_shape.setdefault(p.shape, []).append(p)
@@ -46,7 +46,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def configure_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
-    """AdamW (decaying 2-D weights only), or Muon for the blocks' 2-D matrices; each one's peak lr is its lr."""
+    """AdamW (decay on 2-D weights only), and Muon for the blocks' matrices if chosen; lr = peak lr."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     device = named[0][1].device
     muon = [p for n, p in named if cfg.optimizer == "muon" and p.dim() == 2 and n.startswith("blocks.")]
@@ -62,7 +62,7 @@ def configure_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """The lr of step `step` (0-based): linear warmup, then cosine (or wsd) decay to min_lr at lr_decay_iters."""
+    """lr of 0-based `step`: linear warmup, then cosine (or wsd) decay to min_lr at lr_decay_iters."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
     if step >= cfg.lr_decay_iters:
@@ -76,7 +76,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def set_lr(optimizers: list[torch.optim.Optimizer], step: int, cfg: TrainConfig) -> float:
-    """Apply the schedule to every group, scaled from its optimizer's peak lr; returns AdamW's lr (the logged one)."""
+    """Set every group's lr, scaled by its optimizer's peak; returns AdamW's (the logged one)."""
     lr = lr_at(step, cfg)
     for opt in optimizers:
         for group in opt.param_groups:

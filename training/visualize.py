@@ -1,5 +1,5 @@
-"""Attention weights as pictures: one tile per (layer, head), rows = queries, columns = keys; exactly 0 is
-white, so the causal mask is a white upper triangle. Shapes: L layers, H heads, T prompt length."""
+"""Attention maps as images: a tile per (layer, head), rows = queries, columns = keys; weight 0 is white (the
+causal mask's upper triangle). L layers, H heads, T prompt length."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,27 +13,27 @@ from model import GPT
 
 from .evaluate import evaluating
 
-EMPTY, LOW, HIGH = (255, 255, 255), (198, 219, 239), (8, 48, 107)  # weight 0, the smallest > 0, weight 1
-INVALID = (220, 0, 0)  # NaN/inf: a bug, drawn so it cannot be missed
-GAMMA = 0.5  # sqrt ramp: spread attention (1/T per key) stays visibly different from focused attention
+EMPTY, LOW, HIGH = (255, 255, 255), (198, 219, 239), (8, 48, 107)  # weight 0, smallest > 0, 1
+INVALID = (220, 0, 0)  # NaN/inf: a bug, made visible
+GAMMA = 0.5  # sqrt ramp: spread attention (1/T per key) stays distinct from focused
 BLACK, GREY, LINE = (0, 0, 0), (60, 60, 60), (170, 170, 170)  # titles, labels, outlines
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Pixel geometry: a row of tiles per layer, a column per head, the colour scale below."""
+    """Pixel geometry: a row of tiles per layer, a column per head, colour scale below."""
 
     T: int
     rows: int
     cols: int
     cell: int  # pixels per (query, key) cell
-    label: int  # pixels for the character labels (0 = none)
+    label: int  # label band (0 = none)
     title: int = 14
     gap: int = 12
     scale: int = 40
 
     def origin(self, row: int, col: int) -> tuple[int, int]:
-        """Pixel (x, y) of tile (row, col)'s top-left cell."""
+        """(x, y) of tile (row, col)'s top-left cell."""
         side = self.T * self.cell
         return (self.gap + col * (self.label + side + self.gap) + self.label,
                 self.gap + row * (self.title + self.label + side + self.gap) + self.title + self.label)
@@ -45,15 +45,15 @@ class Layout:
 
 
 def layout_for(n_rows: int, n_cols: int, T: int) -> Layout:
-    """render_attention's geometry: ~450 px per tile, 2..14 px cells."""
+    """Geometry: ~450 px per tile, 2..14 px cells."""
     cell = max(2, min(14, 448 // T))
     return Layout(T=T, rows=n_rows, cols=n_cols, cell=cell, label=max(cell, 16) if cell >= 8 else 0)
 
 
 def colour(weights: np.ndarray) -> np.ndarray:
-    """Weights (..., T, T) in [0, 1] -> RGB uint8 (..., T, T, 3); exactly 0 -> EMPTY, non-finite -> INVALID."""
+    """Weights (..., T, T) in [0, 1] -> RGB uint8 (..., T, T, 3); 0 -> EMPTY, non-finite -> INVALID."""
     w = np.asarray(weights, dtype=np.float64)
-    ramp = np.clip(w, 0.0, 1.0) ** GAMMA  # NaN stays NaN until INVALID covers it
+    ramp = np.clip(w, 0.0, 1.0) ** GAMMA
     rgb = np.add(LOW, np.subtract(HIGH, LOW) * ramp[..., None])
     rgb[w == 0], rgb[~np.isfinite(w)] = EMPTY, INVALID
     return np.rint(rgb).astype(np.uint8)
@@ -61,7 +61,7 @@ def colour(weights: np.ndarray) -> np.ndarray:
 
 def render_attention(maps: Sequence[Tensor | np.ndarray], chars: Sequence[str],
                      layer_ids: Sequence[int] | None = None) -> np.ndarray:
-    """L maps (H, T, T) [h, query, key] labelled with the T chars, over a colour scale -> (height, width, 3) uint8."""
+    """L maps (H, T, T) [h, query, key], labelled with T chars, above a colour scale -> (height, width, 3) uint8."""
     from PIL import Image, ImageDraw, ImageFont
 
     weights = [m.float().numpy(force=True) if isinstance(m, Tensor) else np.asarray(m) for m in maps]
@@ -81,11 +81,11 @@ def render_attention(maps: Sequence[Tensor | np.ndarray], chars: Sequence[str],
             for i, ch in enumerate(chars if lay.label else ()):
                 centre = i * lay.cell + lay.cell / 2
                 for cx, cy in ((x + centre, y - lay.label / 2), (x - lay.label / 2, y + centre)):  # key, query
-                    if ch == " ":  # ⎵, drawn: the default font has no glyph for it
+                    if ch == " ":  # ⎵: the default font lacks it
                         draw.line([(cx - 3, cy - 1), (cx - 3, cy + 2), (cx + 3, cy + 2), (cx + 3, cy - 1)], fill=GREY)
                     else:
-                        _centred(draw, (cx, cy), {"\n": "\\n", "\t": "\\t"}.get(ch, ch), font, GREY)
-    x, y, width = lay.gap + 40, lay.size[1] - lay.scale + 6, 240  # the scale: a swatch for 0, then the ramp
+                        draw.text((cx, cy), {"\n": "\\n", "\t": "\\t"}.get(ch, ch), fill=GREY, font=font, anchor="mm")
+    x, y, width = lay.gap + 40, lay.size[1] - lay.scale + 6, 240  # scale: swatch for 0, then ramp
     ramp = colour(np.linspace(1e-9, 1, width) ** (1 / GAMMA))[None]  # (1, width, 3): even in colour
     image.paste(Image.fromarray(ramp).resize((width, 10), Image.NEAREST), (x, y))
     draw.rectangle((lay.gap, y, lay.gap + 10, y + 9), outline=LINE)
@@ -93,18 +93,13 @@ def render_attention(maps: Sequence[Tensor | np.ndarray], chars: Sequence[str],
     for tick in (0.01, 0.1, 0.5, 1.0):
         tx = x + round(tick ** GAMMA * (width - 1))
         draw.line((tx, y + 10, tx, y + 13), fill=BLACK)
-        _centred(draw, (tx, y + 20), f"{tick:g}", font, BLACK)
+        draw.text((tx, y + 20), f"{tick:g}", fill=BLACK, font=font, anchor="mm")
     return np.asarray(image)
-
-
-def _centred(draw, xy: tuple[float, float], text: str, font, fill: tuple[int, int, int]) -> None:
-    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    draw.text((xy[0] - (left + right) / 2, xy[1] - (top + bottom) / 2), text, fill=fill, font=font)
 
 
 @torch.no_grad()
 def prompt_attention(model: GPT, ids: Sequence[int]) -> list[Tensor]:
-    """Every layer's attention weights for one prompt, in eval mode: L tensors (H, T, T), float32, on the CPU."""
+    """Each layer's attention for one prompt, in eval mode: L float32 CPU tensors (H, T, T)."""
     layers = [block.attn for block in model.blocks]
     for attn in layers:
         attn.keep_weights = True
@@ -118,7 +113,7 @@ def prompt_attention(model: GPT, ids: Sequence[int]) -> list[Tensor]:
 
 
 def save_attention_png(path: str | Path, maps: Sequence[Tensor | np.ndarray], chars: Sequence[str]) -> Path:
-    """render_attention(maps, chars) saved as a PNG at path."""
+    """Save render_attention(maps, chars) as a PNG."""
     from PIL import Image
 
     path = Path(path)
