@@ -106,14 +106,24 @@ QUICK = dict(exact_val=False, tensorboard=False, eval_interval=100)
 
 
 def test_float16_training_unscales_the_gradients_before_it_clips_them(tmp_path, monkeypatch):
-    """float16 turns the GradScaler on; clipping must see the true gradients, unscaled first, so the optimizer
-    gets norms of exactly grad_clip, as in float32. A clip before the unscale hands it grad_clip / 65536."""
-    steps = recorded_steps(monkeypatch)
+    """float16 turns the GradScaler on; clipping must see the true gradients, unscaled first: the norms it
+    measures match float32's, and the optimizer gets norms of exactly grad_clip. A clip before the unscale
+    measures 65536x the norm (the fused optimizer then unscales grad_clip to grad_clip / 65536)."""
+    steps, clipped = recorded_steps(monkeypatch), []
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def clip(*args, **kwargs):
+        norm = real_clip(*args, **kwargs)
+        clipped.append(norm.item())
+        return norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     for dtype in ("float32", "float16"):
         train.train(tiny_config(tmp_path, out_dir=str(tmp_path / dtype), dtype=dtype, max_iters=4, grad_clip=0.05,
                                 **QUICK), verbose=False)
     assert len(steps) == 8, "the scaler skipped steps (an overflow at its initial scale?)"
     assert [s["norm"] for s in steps] == pytest.approx([0.05] * 8, rel=1e-3)
+    assert clipped[4:] == pytest.approx(clipped[:4], rel=0.05), "float16 clipped other norms than float32"
 
 
 def test_accumulated_micro_batches_give_the_gradient_of_the_whole_batch(tmp_path, monkeypatch):
