@@ -203,6 +203,16 @@ def test_without_a_config_on_a_cuda_machine_device_cpu_picks_the_cpu_recipe(tmp_
     assert code == 0 and out.startswith("no config given: training configs/shakespeare_char_cpu_fast.toml, "), out[:99]
 
 
+@pytest.mark.parametrize("kind, recipe", [("cuda", "shakespeare_char.toml"), ("mps", "shakespeare_char_cpu.toml"),
+                                          ("cpu", "shakespeare_char_cpu_fast.toml")])
+def test_without_a_config_each_device_gets_its_recipe(monkeypatch, kind, recipe):
+    monkeypatch.setattr(train, "resolve_device", lambda d: torch.device(kind))
+    argv, why = train.with_recipe(["--max_iters=3"])
+    assert argv == [str(ROOT / "configs" / recipe), "--max_iters=3"]
+    assert why.startswith(f"no config given: training configs/{recipe}, ")
+    assert train.with_recipe(["configs/debug.toml"]) == (["configs/debug.toml"], None)
+
+
 def test_a_gpu_sized_config_on_a_cpu_shows_its_estimate_and_suggests_the_cpu_recipe(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(train, "estimated_seconds", lambda *args: (5 * 3600.0, 2.5))  # the baby GPT on a CPU

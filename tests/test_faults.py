@@ -217,6 +217,30 @@ def test_sigterm_inside_an_evaluation_ends_the_run_at_once_saving_the_last_compl
     assert json.loads((out / "summary.json").read_text())["final_val_loss"] is not None
 
 
+def test_a_second_ctrl_c_inside_a_step_exits_at_once_without_saving_that_step(tmp_path, fork_train):
+    """Two SIGINTs in one training step: the first asks for a stop at the step's end, the second exits at once
+    (130) from inside the step, so no interrupted state is saved."""
+    cfg, log = endless(tmp_path), tmp_path / "log.txt"
+
+    def setup():
+        real_forward, calls = GPT.forward, [0]
+
+        def forward(self, idx, targets=None, cache=None):
+            calls[0] += self.training
+            if self.training and calls[0] == 3:
+                kill_self(signal.SIGINT)
+                kill_self(signal.SIGINT)
+            return real_forward(self, idx, targets, cache)
+
+        GPT.forward = forward
+
+    proc = fork_train(cli_args(cfg), log, setup)
+    proc.join(timeout=60)
+    assert proc.exitcode == 130, log.read_text()
+    assert "exited at once without saving" in log.read_text() and "interrupted by" not in log.read_text()
+    assert not (Path(cfg.out_dir) / CKPT_NAME).exists()
+
+
 def test_a_second_ctrl_c_exits_at_once_leaving_the_last_checkpoint_as_it_was(tmp_path, fork_train):
     """The first SIGINT (from the model, at step 5) starts the final save, made to hang; a second one from
     outside ends the process at once, and the abandoned save's temporary file is removed."""
