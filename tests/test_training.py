@@ -306,6 +306,15 @@ def test_an_estimate_is_the_same_however_its_batches_are_grouped_and_puts_the_mo
     assert model.training
 
 
+def test_every_eval_of_a_run_reads_the_same_batches_so_its_estimates_compare(tmp_path):
+    """With a learning rate too small to move a float32 weight, the estimates at steps 0, 1 and 2 are equal
+    only if each eval draws the same batches (its own generator, seeded once per run)."""
+    cfg = tiny_config(tmp_path, max_iters=2, eval_interval=1, learning_rate=1e-30, min_lr=0.0, dropout=0.0,
+                      exact_val=False, tensorboard=False)
+    history = train.train(cfg, verbose=False)["history"]
+    assert len(history) == 3 and len({(h["train_loss"], h["val_loss"]) for h in history}) == 1, history
+
+
 # --- optimizers ----------------------------------------------------------------------------------------
 
 def test_adamw_decays_only_2d_weights_and_muon_takes_the_block_matrices_each_parameter_once():
