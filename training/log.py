@@ -90,8 +90,10 @@ class RunLog:
         if device.type == "cuda":
             torch.cuda.synchronize()  # queued step work is training time
         self.train_seconds += time.perf_counter() - self._mark
-        yield  # no finally: an exception ends the run
-        self._mark = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._mark = time.perf_counter()
 
     def step_done(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | None, log: bool) -> None:
         """After each step; at log steps (the only host reads) progress line and scalars."""

@@ -39,7 +39,9 @@ class Muon(torch.optim.Optimizer):
                     by_shape.setdefault(p.shape, []).append(p)
             for (rows, cols), params in by_shape.items():
                 for p in params:
-                    self.state[p].setdefault("momentum", torch.zeros_like(p)).lerp_(p.grad, 1 - beta)
+                    if "momentum" not in self.state[p]:  # not setdefault: it would allocate zeros every step
+                        self.state[p]["momentum"] = torch.zeros_like(p)
+                    self.state[p]["momentum"].lerp_(p.grad, 1 - beta)
                 updates = torch.stack([p.grad.lerp(self.state[p]["momentum"], beta) for p in params])  # Nesterov
                 for p, u in zip(params, orthogonalize(updates, dtype=self.ns_dtype), strict=True):
                     p.add_(u, alpha=-lr * max(1.0, rows / cols) ** 0.5)  # tall: smaller entries
