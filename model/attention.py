@@ -1,7 +1,9 @@
-"""Causal multi-head self-attention, written out step by step: `causal_mask` alone decides which key each query
-may read (every backend, the cache and the maps obey it); `attention` is softmax(Q Kᵀ / √D + M) V in five steps.
+"""Causal multi-head self-attention, written out step by step. `visible` is THE visibility rule: which key
+position each query position may read; every path builds its mask from it (training on both backends, the KV
+cache, generation, the exact val pass, the maps). `attention` is softmax(Q Kᵀ / √D + M) V in five steps.
 
-Shapes: B batch, T sequence, Tq queries and Tk keys (Tk >= Tq against a cache), C width, H heads, D = C // H, V vocab.
+Shapes: B batch, T sequence, Tq queries and Tk keys (Tk >= Tq against a cache), C width, H heads, D = C // H, V vocab,
+W window (attn_window).
 """
 
 import math
@@ -11,14 +13,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> Tensor:
-    """allowed (Tq, Tk) bool: key j is allowed for query i iff j <= i + (Tk - Tq), the Tq queries being the last
-    Tq positions (Tq == Tk in training: the lower triangle; Tq new queries against a cache of Tk keys decoding)."""
+def visible(q_pos: Tensor, k_pos: Tensor, window: int = 0) -> Tensor:
+    """Whether the query at absolute position q_pos may read the key at k_pos: bool, the broadcast shape.
+
+    A predicate of positions (FlexAttention's mask_mod), composed with & and |. Causal: no key after the query.
+    window W >= 1: nor any W or more positions back, so a query reads itself and the W - 1 keys before it (W keys,
+    as torchtitan and modded-nanogpt count; FlashAttention's window_size=(W - 1, 0)). 0: every earlier key.
+    """
+    allowed = k_pos <= q_pos
+    if window:
+        allowed = allowed & (k_pos > q_pos - window)
+    return allowed
+
+
+def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None, window: int = 0) -> Tensor:
+    """allowed (Tq, Tk) by `visible`, the Tq queries being the LAST Tq of Tk positions (bottom-right, as in
+    decoding and FlashAttention >= 2.1; sdpa's is_causal aligns top-left): the lower triangle when Tq == Tk."""
     if Tq < 1 or Tk < Tq:
         raise ValueError(f"causal_mask needs 1 <= Tq <= Tk, got Tq={Tq}, Tk={Tk}")
-    q_pos = torch.arange(Tq, device=device).unsqueeze(1) + (Tk - Tq)  # (Tq, 1) absolute positions
-    k_pos = torch.arange(Tk, device=device).unsqueeze(0)  # (1, Tk)
-    return k_pos <= q_pos  # (Tq, Tk)
+    k_pos = torch.arange(Tk, device=device)
+    return visible(k_pos[Tk - Tq:, None], k_pos[None, :], window)  # (Tq, Tk)
 
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -30,7 +44,7 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype = torch.float32) -> Tensor
     if allowed.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(allowed.any(-1).all()):
         query = (~allowed.any(-1)).nonzero()[0, -1].item()
         raise ValueError(f"attention mask: query {query} may read no key, so its softmax would be 0/0; every "
-                         "query must see >= 1 key (see model/attention.py:causal_mask)")
+                         "query must see >= 1 key (see model/attention.py:visible)")
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
@@ -70,21 +84,42 @@ def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Keys and values of earlier positions, per layer, preallocated to max_len positions: a decoding step
-    writes in place instead of copying the history."""
+    """Keys and values of earlier positions, per layer, in `size` preallocated slots: position p lives in slot
+    p % size. Without a window size = block_size and nothing wraps (a step writes in place, no history copied);
+    with a window W, size = W: a rolling buffer of the last W positions, so memory and cost per token stay constant
+    however long generation runs (older keys are out of every later query's window)."""
 
-    def __init__(self, n_layer: int, B: int, H: int, max_len: int, D: int, device: torch.device | str,
+    def __init__(self, n_layer: int, B: int, H: int, size: int, D: int, device: torch.device | str,
                  dtype: torch.dtype) -> None:
-        self.k = [torch.empty(B, H, max_len, D, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.empty(B, H, max_len, D, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.length = 0  # positions stored (the same for every layer once a forward finishes)
+        self.k = [torch.empty(B, H, size, D, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.empty(B, H, size, D, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.size = size
+        self.length = 0  # positions seen: the next one's absolute position (the same for every layer after a forward)
+
+    def positions(self, T: int) -> tuple[Tensor, Tensor]:
+        """Absolute positions of T new queries (T,) and of the keys `append` returns for them (Tk,), in its order."""
+        start, device = self.length, self.k[0].device
+        new = torch.arange(start, start + T, device=device)
+        if start + T <= self.size:
+            return new, torch.arange(start + T, device=device)
+        slots = torch.arange(min(start, self.size), device=device)
+        return new, torch.cat([start - 1 - (start - 1 - slots) % self.size, new])  # the newest position per slot
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v (B, H, Tq, D) after the cached ones; return all keys and values (B, H, Tk, D)."""
-        start, end = self.length, self.length + k.size(2)  # GPT.forward refuses end > block_size = max_len
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        """Store k, v (B, H, T, D) of the T new positions; return the stored and new ones (B, H, Tk, D)."""
+        start, T = self.length, k.size(2)
+        if start + T <= self.size:  # room: write in place, return a view
+            self.k[layer][:, :, start:start + T] = k
+            self.v[layer][:, :, start:start + T] = v
+            return self.k[layer][:, :, :start + T], self.v[layer][:, :, :start + T]
+        held = min(start, self.size)
+        keys = torch.cat([self.k[layer][:, :, :held], k], dim=2)  # (B, H, held + T, D)
+        values = torch.cat([self.v[layer][:, :, :held], v], dim=2)
+        keep = min(T, self.size)  # the newest positions overwrite the oldest
+        slots = torch.arange(start + T - keep, start + T, device=k.device) % self.size
+        self.k[layer].index_copy_(2, slots, k[:, :, T - keep:])
+        self.v[layer].index_copy_(2, slots, v[:, :, T - keep:])
+        return keys, values
 
 
 class CausalSelfAttention(nn.Module):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import CausalSelfAttention, KVCache, additive_mask, causal_mask
+from .attention import CausalSelfAttention, KVCache, additive_mask, visible
 
 ATTN_BACKENDS = ("manual", "sdpa")
 POS_EMBS = ("learned", "rope")
@@ -32,6 +32,7 @@ class GPTConfig:
     attn_backend: str = "manual"  # "manual": hand-written; "sdpa": PyTorch's kernel, same mask
     pos_emb: str = "learned"  # "rope": rotate q, k by position instead of adding a table
     qk_norm: bool = False  # RMS-norm q, k per head: bounded logits at high lr
+    attn_window: int = 0  # W >= 1: each query reads itself and the W - 1 keys before it; 0: every earlier key
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -45,6 +46,11 @@ class GPTConfig:
         for name, choices in (("attn_backend", ATTN_BACKENDS), ("pos_emb", POS_EMBS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} is unknown; choose one of {choices}")
+        if isinstance(self.attn_window, bool) or not isinstance(self.attn_window, int) or self.attn_window < 0:
+            raise ValueError(f"GPTConfig.attn_window must be an integer >= 0 (0: no window), got {self.attn_window!r}")
+        if self.attn_window > self.block_size:
+            raise ValueError(f"GPTConfig.attn_window={self.attn_window} exceeds block_size={self.block_size}: give "
+                             "a window <= block_size (a window the context never fills is no window)")
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"GPTConfig.pos_emb='rope' needs an even head width, got {self.n_embd // self.n_head}")
 
@@ -118,37 +124,46 @@ class GPT(nn.Module):
         N = self.num_params() - (self.pos_emb.weight.numel() if self.pos_emb is not None else 0)
         return 6 * N + 12 * self.config.n_layer * self.config.n_embd * T
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None,
-                cache: KVCache | None = None) -> tuple[Tensor, Tensor | None]:
+    @property
+    def endless(self) -> bool:
+        """Whether sequences may run past block_size: rotary positions are relative and a window keeps every key
+        within W - 1 of its query, so the model never meets an offset it did not train on (a table ends)."""
+        return self.pos_emb is None and self.config.attn_window > 0
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, cache: KVCache | None = None,
+                start: int = 0) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) -> logits (B, T, V), mean cross-entropy vs targets (B, T) or None.
-        targets[:, t] FOLLOWS idx[:, t] (already shifted). With a cache, idx start at cache.length."""
+        targets[:, t] FOLLOWS idx[:, t] (already shifted). idx[:, 0] is at position `start` (cache.length with a
+        cache, whose keys and values the queries also read)."""
         B, T = idx.shape
-        start = cache.length if cache is not None else 0
-        if start + T > self.config.block_size:
+        start = cache.length if cache is not None else start
+        if start + T > self.config.block_size and not self.endless:
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}; "
                              "crop it to the last block_size tokens")
+        q_pos, k_pos = cache.positions(T) if cache is not None else (torch.arange(start, start + T,
+                                                                                  device=idx.device),) * 2
         x = self.tok_emb(idx)  # (B, T, C)
-        positions = torch.arange(start, start + T, device=idx.device)  # (T,)
         rope = None
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
+            x = x + self.pos_emb(q_pos)
         else:  # not a buffer: Module.to(dtype) drops a complex buffer's imaginary part
-            rope = rope_frequencies(positions, self.config.n_embd // self.config.n_head, dtype=x.dtype)
+            rope = rope_frequencies(q_pos, self.config.n_embd // self.config.n_head, dtype=x.dtype)
         x = F.dropout(x, self.config.dropout, self.training)
-        # (T, Tk) for all layers; not cached, so a patched causal_mask takes effect
-        mask = additive_mask(causal_mask(T, start + T, device=idx.device), x.dtype)
+        # (T, Tk) for all layers, from the rule; not cached, so an edit of `visible` takes effect
+        mask = additive_mask(visible(q_pos[:, None], k_pos[None, :], self.config.attn_window), x.dtype)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
         if cache is not None:
-            cache.length = start + T
+            cache.length += T
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     def new_cache(self, B: int) -> KVCache:
-        """Empty KV cache: B sequences, block_size positions."""
+        """Empty KV cache for B sequences: block_size slots, or a rolling attn_window of them."""
         c, w = self.config, self.tok_emb.weight
-        return KVCache(c.n_layer, B, c.n_head, c.block_size, c.n_embd // c.n_head, w.device, w.dtype)
+        return KVCache(c.n_layer, B, c.n_head, c.attn_window or c.block_size, c.n_embd // c.n_head, w.device,
+                       w.dtype)
 
     @torch.inference_mode()
     def generate(self, idx: Tensor, max_new_tokens: int, **options: Any) -> Tensor:
@@ -161,8 +176,10 @@ class GPT(nn.Module):
                slide: int = 1) -> Iterator[Tensor]:
         """Yield max_new_tokens tokens (B,) after prompt idx (B, T >= 1), one at a time.
 
-        use_cache feeds only the newest token (same result). A full window drops its first `slide` tokens and
-        its cache (slide=1: nanoGPT's crop). Other options: sample_next's.
+        use_cache feeds only the newest token (same result). An `endless` model runs on without a window limit: the
+        cache rolls, and without it the last n_layer * (W - 1) + 1 tokens (all the next token can depend on) are
+        recomputed at their positions. Otherwise a full block_size window drops its first `slide` tokens and its
+        cache (slide=1: nanoGPT's crop). Other options: sample_next's.
         """
         if idx.dim() != 2 or idx.size(1) < 1:
             raise ValueError(f"generate needs a (B, T>=1) prompt, got shape {tuple(idx.shape)}")
@@ -171,15 +188,19 @@ class GPT(nn.Module):
         block = self.config.block_size
         if isinstance(slide, bool) or not isinstance(slide, int) or not 1 <= slide <= block:
             raise ValueError(f"slide must be an integer in [1, block_size={block}], got {slide!r}")
-        context, cache = idx[:, -block:], None  # window, and its KV cache while valid
+        reach = self.config.n_layer * (self.config.attn_window - 1) + 1 if self.endless else block
+        context, cache, n = idx[:, -block:] if not self.endless else idx, None, idx.size(1)  # n: tokens so far
         for _ in range(max_new_tokens):
             if use_cache and cache is None:
-                cache = self.new_cache(idx.size(0))  # (re-)prefill: whole window at once
-            whole = cache is None or cache.length == 0
-            logits, _ = self(context if whole else context[:, -1:], cache=cache)  # else newest token only
+                cache = self.new_cache(idx.size(0))  # (re-)prefill: the whole context at once
+            if cache is None:
+                recent = context[:, -reach:]
+                logits, _ = self(recent, start=n - recent.size(1) if self.endless else 0)
+            else:
+                logits, _ = self(context if cache.length == 0 else context[:, -1:], cache=cache)
             next_id = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B, 1)
-            context = torch.cat((context, next_id), dim=1)
-            if context.size(1) > block:
+            context, n = torch.cat((context[:, -reach:], next_id), dim=1), n + 1
+            if context.size(1) > block and not self.endless:
                 context, cache = context[:, slide:], None
             yield next_id[:, 0]
 

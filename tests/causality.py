@@ -1,13 +1,15 @@
 """The causality and label-shift checks, in one place, for the tests, the mutants and real checkpoints.
 
-Every check returns a `Check`: ok or not, and the numbers that decided it, so a failure says how
-far off it was. Each check carries its own positive control: it passes only if the comparison that
-must stay quiet stays quiet AND the comparison that must fire does fire (a check that could never
-fire proves nothing).
+Each check measures which outputs move when which inputs move and judges that pattern twice:
+- no leak: no query reads a later key, and every query reads its own (whatever the rule);
+- the declared rule, exactly: the pattern is the reference's (tests/reference.py: declared_rule, composed over
+  the model's layers), so a mask that is narrower or wider than declared is caught and told apart from a leak.
+A failure says which: `LEAK: query 3 reads key 5 (2 ahead) in layer 0`, or `no leak, but not attn_window=3:
+query 9 does not read key 6, which the rule allows`. Every check carries its positive control: it passes only
+if what must not move stays bit-identical AND what must move does move.
 
-The checks look the pieces under test up at call time (`model.attention.attention`,
-`data.get_batch`, ...), so a test can substitute a broken piece and watch them fail: see
-tests/mutants.py.
+The checks look the pieces under test up at call time (`model.attention.visible`, `data.get_batch`, ...), so a
+test can substitute a broken piece and watch them fail: see tests/mutants.py.
 
 Run on a trained model:  python tests/causality.py --ckpt out/shakespeare_char/ckpt.pt
 """
@@ -29,6 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
 import model.attention as attn_lib  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from reference import reach, rule_grid, rule_name  # noqa: E402
+
+WINDOWS = (0, 3)  # the rule without and with a window shorter than every test sequence
+T_ATTENTION = 8
 
 
 @dataclass
@@ -39,18 +45,18 @@ class Check:
     ok: bool
     quiet: float  # largest change where nothing may change
     fired: float  # smallest change where something must change
-    detail: str = ""  # where it failed: the first (query, key) pair that leaked, the layer, ...
+    detail: str = ""  # what is wrong, in words: the first (query, key) pair, the layer, ...
 
     def __str__(self) -> str:
-        status = "ok  " if self.ok else "FAIL"
-        where = f" | {self.detail}" if self.detail and not self.ok else ""
-        return f"{status} {self.name:<40} max change where none allowed {self.quiet:.3g} | " \
-               f"min change where one is required {self.fired:.3g}{where}"
+        figures = f"max change where none allowed {self.quiet:.3g} | min change where one is required {self.fired:.3g}"
+        if self.ok:
+            return f"ok   {self.name:<44} | {figures}"
+        return f"FAIL {self.name} — {self.detail or 'see the figures'} | {figures}"
 
 
 def require(*checks: Check) -> None:
     """In a test: fail with one line per failed check (what broke and where), not a traceback."""
-    failed = [str(c) for c in checks if not c.ok]
+    failed = sorted((str(c) for c in checks if not c.ok), key=lambda line: "— LEAK" not in line)  # leaks first
     if failed:
         import pytest
 
@@ -61,41 +67,46 @@ def _max(x: Tensor) -> float:
     return x.abs().max().item() if x.numel() else 0.0
 
 
-def leak_pair(reads: Tensor) -> tuple[int, int] | None:
-    """reads (T, T) bool, reads[i, j]: query (position) i depends on key (token) j. The first pair with
-    j > i (the lowest query first), or None."""
-    future = (reads & torch.ones_like(reads).triu(1)).nonzero()
-    return tuple(future[0].tolist()) if len(future) else None
-
-
-def first_leak(reads: Tensor) -> str:
-    """The first future pair of leak_pair, in words; '' when there is none."""
-    pair = leak_pair(reads)
-    return f"query {pair[0]} reads key {pair[1]} ({pair[1] - pair[0]} ahead)" if pair else ""
-
-
-def first_blind_spot(reads: Tensor) -> str:
-    """The first query that does not read its own key, or (past query 0) no earlier key; '' if none."""
-    for i in range(reads.size(0)):
-        if not reads[i, i]:
-            return f"query {i} does not read key {i} (its own)"
-        if i > 0 and not reads[i, :i].any():
-            return f"query {i} reads no earlier key"
+def describe(reads: Tensor, expected: Tensor, rule: str, exact: bool = True) -> str:
+    """What is wrong with reads (Tq, Tk) bool, reads[i, j]: query (absolute position) Tk - Tq + i depends on
+    key j, against the declared rule's expected cells: a leak first, then a query blind to its own key, then a
+    difference from the rule (only cells the rule forbids, unless exact). '' if nothing."""
+    Tq, Tk = reads.shape
+    q = torch.arange(Tk - Tq, Tk)[:, None]
+    k = torch.arange(Tk)[None, :]
+    wrong = [(reads & (k > q), "LEAK: query {q} reads key {k} ({ahead} ahead)"),
+             (~reads & (k == q), "query {q} does not read key {k}, its own (every rule must allow it)"),
+             (reads & ~expected, "no leak, but not {rule}: query {q} reads key {k}, which the rule forbids"),
+             (expected & ~reads & exact, "no leak, but not {rule}: query {q} does not read key {k}, which the rule "
+                                         "allows")]
+    for cells, text in wrong:
+        if cells.any():
+            i, j = cells.nonzero()[0].tolist()
+            return text.format(q=Tk - Tq + i, k=j, ahead=j - (Tk - Tq + i), rule=rule)
     return ""
 
 
-def mask_picture(T: int = 6) -> str:
-    """causal_mask(T, T) next to the plain lower triangle the checks expect (■ allowed, · masked)."""
-    got = attn_lib.causal_mask(T, T).cpu()
-    want = torch.ones(T, T, dtype=torch.bool).tril()
+def judge(name: str, change: Tensor, expected: Tensor, rule: str, tol: float = 0.0, exact: bool = True) -> Check:
+    """change (Tq, Tk) >= 0: how far query Tk - Tq + i moved when key (input) j did. ok iff it moved by more than
+    tol exactly where `expected` (the rule) allows and by at most tol elsewhere (not exact: only its own key
+    need move, e.g. under dropout)."""
+    change = change.double().cpu()
+    Tq, Tk = change.shape
+    must = expected if exact else torch.eye(Tk, dtype=torch.bool)[Tk - Tq:]
+    quiet, fired = _max(change[~expected]), change[must].min().item()
+    return Check(name, quiet <= tol and fired > tol, quiet, fired, describe(change > tol, expected, rule, exact))
+
+
+def mask_picture(window: int, T: int = 6) -> str:
+    """causal_mask(T, T) next to the declared rule's grid (■ allowed, · masked)."""
+    got, want = attn_lib.causal_mask(T, T, window=window).cpu(), rule_grid(T, T, window)
 
     def row(r: Tensor) -> str:
         return " ".join("■" if a else "·" for a in r.tolist())
 
     width = max(2 * T + 2, 20)
-    lines = [f"{f'causal_mask({T}, {T})':<{width}}expected (lower triangle)"]
-    lines += [f"{row(g):<{width}}{row(w)}" for g, w in zip(got, want, strict=True)]
-    return "\n".join(lines) + "\n(model/attention.py:causal_mask)"
+    lines = [f"{'causal_mask':<{width}}{rule_name(window)} (tests/reference.py)"]
+    return "\n".join(lines + [f"{row(g):<{width}}{row(w)}" for g, w in zip(got, want, strict=True)])
 
 
 # --- models with no dead paths -------------------------------------------------------------------
@@ -131,6 +142,11 @@ def leak_test_model(backend: str = "manual", dropout: float = 0.0, seed: int = 0
     return redraw_parameters_(GPT(GPTConfig(**{**cfg, **kw})).double(), seed).eval()
 
 
+def sequence_length(model: GPT) -> int:
+    """block_size, or 2.5 blocks for a model that runs past it (its rolling cache wraps twice)."""
+    return model.config.block_size * (5 if model.endless else 2) // 2
+
+
 def random_tokens(B: int, T: int, V: int, seed: int = 1) -> Tensor:
     """(B, T) token ids; rows differ from each other."""
     return torch.randint(V, (B, T), generator=torch.Generator().manual_seed(seed))
@@ -144,22 +160,28 @@ def _change_at(x: Tensor, j: int, V: int, seed: int) -> Tensor:
     return y
 
 
-# --- attention level -----------------------------------------------------------------------------
+# --- the mask and attention alone ------------------------------------------------------------------
 
-def check_causal_mask(T: int = 6) -> Check:
-    """causal_mask(T, T) is the plain lower triangle, and a query block against a longer history is its
-    last rows (decoding). On failure the detail draws the mask next to the expected one."""
-    want = torch.ones(T, T, dtype=torch.bool).tril()
-    wrong = sum(int((attn_lib.causal_mask(Tq, T).cpu() != want[T - Tq:]).sum()) for Tq in range(1, T + 1))
-    return Check("mask: causal_mask is the lower triangle", wrong == 0, float(wrong), float(want.sum()),
-                 "" if wrong == 0 else "it is not the lower triangle:\n" + mask_picture(T))
+def check_mask(window: int = 0, T: int = 6) -> Check:
+    """causal_mask(Tq, T) is the declared rule's grid for every Tq (queries aligned with the last keys, as a
+    cache decodes). On failure the detail draws the mask next to the rule."""
+    checks = [judge("mask: causal_mask", attn_lib.causal_mask(Tq, T, window=window).cpu().double(),
+                    rule_grid(Tq, T, window), rule_name(window)) for Tq in range(T, 0, -1)]
+    check = next((c for c in checks if not c.ok), checks[0])
+    if not check.ok:
+        check.detail += "\n" + mask_picture(window, T) + "\n(model/attention.py:visible)"
+    return check
 
 
-def check_attention_future_perturbation(T: int = 8, seed: int = 0, scale: float = 100.0) -> Check:
-    """Perturb q, k and v at one position j (x100): outputs before j bit-identical, at j changed."""
+def _qkv(T: int, seed: int, D: int = 4, **kw) -> tuple[Tensor, Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(2, 3, T, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    allowed = attn_lib.causal_mask(T, T)
+    return tuple(torch.randn(2, 3, T, D, generator=g, dtype=torch.float64, **kw) for _ in range(3))
+
+
+def check_attention_perturbation(window: int = 0, T: int = T_ATTENTION, seed: int = 0, scale: float = 100.0) -> Check:
+    """Perturb q, k and v at one position j (x100): output i moves exactly where the rule lets i read j."""
+    q, k, v = _qkv(T, seed)
+    allowed = attn_lib.causal_mask(T, T, window=window)
     base, _ = attn_lib.attention(q, k, v, allowed)
     change = torch.zeros(T, T, dtype=torch.float64)  # change[i, j]: output i moved when position j did
     for j in range(T):
@@ -168,30 +190,24 @@ def check_attention_future_perturbation(T: int = 8, seed: int = 0, scale: float 
             z[:, :, j] *= scale
         out, _ = attn_lib.attention(qp, kp, vp, allowed)
         change[:, j] = (out - base).abs().amax(dim=(0, 1, 3))
-    quiet, fired = _max(change.triu(1)), change.diagonal().min().item()
-    where = first_leak(change > 0) or first_blind_spot(change > 0)
-    return Check("attention: future perturbation", quiet == 0.0 and fired > 0, quiet, fired, where)
+    return judge("attention: perturbation", change, rule_grid(T, T, window), rule_name(window))
 
 
-def check_attention_weights(T: int = 7, seed: int = 0) -> Check:
-    """Weights: rows sum to 1, every future weight exactly 0, every allowed weight (diagonal too) > 0."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(2, 3, T, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    _, w = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
-    future = torch.ones(T, T, dtype=torch.bool).triu(1)  # the reference, not the code under test
-    quiet = max(_max(w[..., future]), _max(w.sum(-1) - 1))
-    fired = w[..., ~future].min().item()
-    reads = (w > 0).any(0).any(0)  # (T, T)
-    where = first_leak(reads) or first_blind_spot(reads) or ("rows do not sum to 1" if quiet >= 1e-12 else "")
-    return Check("attention: weights", quiet < 1e-12 and _max(w[..., future]) == 0 and fired > 0, quiet, fired,
-                 where)
+def check_attention_weights(window: int = 0, T: int = T_ATTENTION, seed: int = 0) -> Check:
+    """Weights are > 0 exactly where the rule allows (exactly 0 elsewhere) and every row sums to 1."""
+    _, w = attn_lib.attention(*_qkv(T, seed), attn_lib.causal_mask(T, T, window=window))
+    check = judge("attention: weights", w.amax(dim=(0, 1)), rule_grid(T, T, window), rule_name(window))
+    rows = _max(w.sum(-1) - 1)
+    if check.ok and not rows < 1e-12:
+        check.ok, check.detail = False, f"rows sum to 1 +- {rows:.3g}, not 1"
+    return check
 
 
 def check_attention_extreme_scores(scale: float = 1e150) -> Check:
     """A masked key gets weight exactly 0 however far its score rises above the allowed ones: query 0
-    may read only key 0, at score -scale**2, while keys 1.. score +scale**2. With -inf in the masked
-    places that is still weight 1 on key 0; a finite fill above -scale**2 (-1e4, -1e9, ... but not
-    float64's finfo.min) hands query 0's attention to the future."""
+    may read only key 0 (under any rule), at score -scale**2, while keys 1.. score +scale**2. With -inf in
+    the masked places that is still weight 1 on key 0; a finite fill above -scale**2 (-1e4, -1e9, ... but
+    not float64's finfo.min) hands query 0's attention to the future."""
     T = 4
     q = torch.full((1, 1, T, 1), scale, dtype=torch.float64)
     k = torch.full((1, 1, T, 1), scale, dtype=torch.float64)
@@ -200,95 +216,85 @@ def check_attention_extreme_scores(scale: float = 1e150) -> Check:
     _, w = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
     quiet = _max(w[0, 0, 0, 1:])  # query 0's weight on future keys
     fired = w[0, 0, 0, 0].item()  # its weight on its own key: must be all of it
-    return Check("attention: extreme scores", quiet == 0.0 and fired == 1.0, quiet, fired)
+    return Check("attention: extreme scores", quiet == 0.0 and fired == 1.0, quiet, fired,
+                 "" if quiet == 0 else f"LEAK: query 0 gives weight {quiet:.3g} to a later key")
 
 
-def check_attention_gradients(T: int = 6, seed: int = 0) -> Check:
-    """d out[t] / d (k, v)[s] is exactly 0 for s > t, non-zero for s = t and for some s < t.
-
-    This catches a mask that hides the diagonal or masks too much, which perturbing the future
-    alone cannot see.
-    """
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64, requires_grad=True)
-               for _ in range(3))
-    out, _ = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
+def check_attention_gradients(window: int = 0, T: int = T_ATTENTION, seed: int = 0) -> Check:
+    """d out[t] / d (k, v)[s] is non-zero exactly where the rule lets t read s: catches a mask that hides
+    the diagonal or masks too much, which perturbing the future alone cannot see."""
+    q, k, v = _qkv(T, seed, requires_grad=True)
+    out, _ = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T, window=window))
     grads = torch.zeros(T, T, dtype=torch.float64)  # grads[t, s]: influence of key position s on query t
     for t in range(T):
         gk, gv = torch.autograd.grad(out[:, :, t].sum(), (k, v), retain_graph=True)
         grads[t] = gk.abs().sum((0, 1, 3)) + gv.abs().sum((0, 1, 3))
-    return _gradient_check("attention: gradients", grads)
+    return judge("attention: gradients", grads, rule_grid(T, T, window), rule_name(window))
 
 
-def _gradient_check(name: str, grads: Tensor) -> Check:
-    """grads (T, T) of query t's output with respect to position s: 0 above the diagonal, > 0 on it and
-    somewhere before it in every row past the first."""
-    T = grads.size(0)
-    quiet = _max(grads.triu(1))
-    fired = min([grads.diagonal().min().item()] + [grads[t, :t].max().item() for t in range(1, T)])
-    where = first_leak(grads > 0) or first_blind_spot(grads > 0)
-    return Check(name, quiet == 0.0 and fired > 0, quiet, fired, where)
-
-
-def check_attention_half_precision(T: int = 6, seed: int = 0) -> Check:
-    """float16 and bfloat16 inputs: finite outputs close to float64, future weights exactly 0."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    allowed = attn_lib.causal_mask(T, T)
+def check_attention_half_precision(window: int = 0, T: int = T_ATTENTION, seed: int = 0) -> Check:
+    """float16 and bfloat16 inputs: finite outputs close to float64, weights > 0 exactly where the rule allows."""
+    q, k, v = _qkv(T, seed, D=8)
+    allowed = attn_lib.causal_mask(T, T, window=window)
     ref, _ = attn_lib.attention(q, k, v, allowed)
-    quiet, fired = 0.0, math.inf
     for dtype in (torch.float16, torch.bfloat16):
         out, w = attn_lib.attention(q.to(dtype), k.to(dtype), v.to(dtype), allowed)
-        err = (out.double() - ref).abs()
-        quiet = max(quiet, _max(w[..., ~allowed].double()), 0.0 if torch.isfinite(err).all() else math.inf)
-        fired = min(fired, w[..., allowed].min().item())
-        if not err.max().item() < 0.1:
-            return Check("attention: half precision", False, err.max().item(), fired, f"({dtype} error)")
-    return Check("attention: half precision", quiet == 0.0 and fired > 0, quiet, fired)
+        check = judge("attention: half precision", w.double().amax(dim=(0, 1)), rule_grid(T, T, window),
+                      rule_name(window))
+        err = (out.double() - ref).abs().max().item()
+        if not check.ok or not err < 0.1:
+            check.ok, check.detail = False, check.detail or f"{dtype} output off by {err:.3g}"
+            return check
+    return check
 
 
-# --- model level ---------------------------------------------------------------------------------
+# --- the model, on every path -------------------------------------------------------------------------
 
-def _single_token_changes(model: GPT, x: Tensor, seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Change the token at one position j at a time. Returns change (T, T), change[i, j] the largest move of
-    the logits at i when token j changed; layers (L, T, T) bool, layers[l, i, j] whether block l's output
-    at i moved; and the unperturbed logits."""
-    T, V = x.size(1), model.config.vocab_size
+def logits_by(model: GPT, x: Tensor, path: str) -> Tensor:
+    """(B, T, V) logits of x computed by one path: "forward" (one call), "chunked prefill" (two chunks through
+    the KV cache) or "decode" (one token at a time through it; past block_size for an endless model)."""
+    if path == "forward":
+        return model(x)[0]
+    cache = model.new_cache(x.size(0))
+    chunks = x.split(x.size(1) // 2 if path == "chunked prefill" else 1, dim=1)
+    return torch.cat([model(chunk, cache=cache)[0] for chunk in chunks], dim=1)
+
+
+def model_rule(model: GPT, T: int) -> tuple[Tensor, str]:
+    """The declared rule's reach over the model's layers (T, T), and its name."""
+    w = model.config.attn_window
+    return reach(rule_grid(T, T, w), model.config.n_layer), rule_name(w)
+
+
+def check_perturbation(model: GPT, x: Tensor, path: str = "forward", seed: int = 2) -> Check:
+    """For every position j: a new token at j moves the logits exactly at the positions the rule lets reach j
+    through the model's layers, and leaves every other logit bit-identical. On the forward path a leak also
+    names the first layer whose output shows it. (x and its T variants run as one batch: one pass per path.)"""
+    (B, T), V = x.shape, model.config.vocab_size
     outputs: list[Tensor] = []
-    hooks = [b.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for b in model.blocks]
+    hooks = [b.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for b in model.blocks] \
+        if path == "forward" else []
     try:
         with torch.no_grad():
-            base, _ = model(x)
-            base_blocks, outputs[:] = list(outputs), []
-            change = torch.zeros(T, T, dtype=torch.float64)
-            layers = torch.zeros(len(model.blocks), T, T, dtype=torch.bool)
-            for j in range(T):
-                out, _ = model(_change_at(x, j, V, seed + j))
-                change[:, j] = (out - base).abs().amax(dim=(0, 2)).double().cpu()
-                for layer, (o, b) in enumerate(zip(outputs, base_blocks, strict=True)):
-                    layers[layer, :, j] = (o != b).any(0).any(-1).cpu()
-                outputs[:] = []
+            variants = torch.cat([x] + [_change_at(x, j, V, seed + j) for j in range(T)])  # ((T + 1) B, T)
+            logits = logits_by(model, variants, path).view(T + 1, B, T, V)
     finally:
         for h in hooks:
             h.remove()
-    return change, layers, base
-
-
-def check_future_perturbation(model: GPT, x: Tensor, seed: int = 2) -> Check:
-    """For every position j: a new token at j leaves the logits before j bit-identical and moves those at j.
-    A failure names the first (query, key) pair that leaked and the first layer whose output shows it."""
-    change, layers, _ = _single_token_changes(model, x, seed)
-    quiet, fired = _max(change.triu(1)), change.diagonal().min().item()
-    pair = leak_pair(change > 0)
-    where = first_leak(change > 0) or first_blind_spot(change > 0)
-    if pair is not None and layers[:, pair[0], pair[1]].any():
-        where += f" in layer {layers[:, pair[0], pair[1]].nonzero()[0].item()}"
-    return Check(f"model: future perturbation ({model.config.attn_backend})", quiet == 0 and fired > 0,
-                 quiet, fired, where)
+    change = (logits[1:] - logits[0]).abs().amax(dim=(1, 3)).T.double().cpu()  # change[i, j]: logits i, token j
+    check = judge(f"model: perturbation, {path}", change, *model_rule(model, T))
+    leaks = ((change > 0) & torch.ones(T, T, dtype=torch.bool).triu(1)).nonzero()
+    if check.detail.startswith("LEAK") and hooks:
+        i, j = leaks[0].tolist()  # the pair describe() named
+        moved = [(o.view(T + 1, B, T, -1)[j + 1, :, i] != o.view(T + 1, B, T, -1)[0, :, i]).any().item()
+                 for o in outputs]
+        if any(moved):
+            check.detail += f" in layer {moved.index(True)}"
+    return check
 
 
 def check_gradients(model: GPT, x: Tensor) -> Check:
-    """d logits[:, t] / d input-embedding[:, s]: exactly 0 for s > t, non-zero for s = t and some s < t."""
+    """d logits[:, t] / d input-embedding[:, s] is non-zero exactly where the rule's reach lets t read s."""
     captured: list[Tensor] = []
 
     def capture(_module, _inputs, output):
@@ -301,12 +307,12 @@ def check_gradients(model: GPT, x: Tensor) -> Check:
         logits, _ = model(x)
     finally:
         handle.remove()
-    emb = captured[0]
-    grads = torch.zeros(x.size(1), x.size(1), dtype=torch.float64)
-    for t in range(x.size(1)):
+    emb, T = captured[0], x.size(1)
+    grads = torch.zeros(T, T, dtype=torch.float64)
+    for t in range(T):
         (grad,) = torch.autograd.grad(logits[:, t].sum(), emb, retain_graph=True)
         grads[t] = grad.abs().sum(dim=(0, 2)).double().cpu()
-    return _gradient_check(f"model: gradients ({model.config.attn_backend})", grads)
+    return judge("model: gradients", grads, *model_rule(model, T))
 
 
 def check_prefix_parity(model: GPT, x: Tensor, tol: float = 1e-9) -> Check:
@@ -314,21 +320,20 @@ def check_prefix_parity(model: GPT, x: Tensor, tol: float = 1e-9) -> Check:
     with torch.no_grad():
         full, _ = model(x)
         errors = [_max(model(x[:, :t])[0] - full[:, :t]) for t in range(1, x.size(1) + 1)]
-        # positive control: the last position really reads its past (another first token changes it),
-        # so agreeing with the full run is not trivially true
-        other_first = _change_at(x, 0, model.config.vocab_size, 9)
-        fired = _max(model(other_first)[0][:, -1] - full[:, -1])
+        # positive control: the last position really reads the furthest token the rule lets it reach
+        first = model_rule(model, x.size(1))[0][-1].nonzero()[0].item()
+        other = _change_at(x, first, model.config.vocab_size, 9)
+        fired = _max(model(other)[0][:, -1] - full[:, -1])
     bad = [t for t, e in enumerate(errors, 1) if e > tol]
     where = f"the first {bad[0]} tokens alone give other logits than in the full sequence" if bad else ""
-    return Check(f"model: prefix parity ({model.config.attn_backend})", not bad and fired > 0, max(errors), fired,
-                 where)
+    return Check("model: prefix parity", not bad and fired > 0, max(errors), fired, where)
 
 
-def check_dropout_causality(backend: str = "manual", seed: int = 3, **options) -> Check:
-    """Train mode, dropout 0.3, the same RNG state for every forward: a new token at j changes nothing
-    before j. options: further GPTConfig options (e.g. pos_emb="rope")."""
-    model = leak_test_model(backend, dropout=0.3, **options).train()
-    x = random_tokens(3, 8, model.config.vocab_size, seed)
+def check_dropout_causality(backend: str = "manual", seed: int = 3, attn_window: int = 0, **options) -> Check:
+    """Train mode, dropout 0.3, the same RNG state for every forward: a new token at j moves no logit the rule
+    does not let reach j (dropout may zero a path, never open one). options: GPTConfig options."""
+    model = leak_test_model(backend, dropout=0.3, attn_window=attn_window, **options).train()
+    x = random_tokens(3, model.config.block_size, model.config.vocab_size, seed)
     T = x.size(1)
     change = torch.zeros(T, T, dtype=torch.float64)
     with torch.no_grad():
@@ -340,14 +345,15 @@ def check_dropout_causality(backend: str = "manual", seed: int = 3, **options) -
             change[:, j] = (out - base).abs().amax(dim=(0, 2))
         torch.manual_seed(seed + 100)  # and dropout is really on: another draw changes the output
         other, _ = model(x)
-    quiet, fired = _max(change.triu(1)), min(change.diagonal().min().item(), _max(other - base))
-    return Check(f"model: dropout causality ({backend})", quiet == 0 and fired > 0, quiet, fired,
-                 first_leak(change > 0))
+    check = judge("model: dropout", change, *model_rule(model, T), exact=False)
+    if check.ok and not _max(other - base) > 0:
+        check.ok, check.detail = False, "dropout does not act in train mode"
+    return check
 
 
-def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 10, seed: int = 4, slide: int = 1) -> Check:
-    """Cached and uncached generation draw identical tokens from the same generator (with the window
-    sliding `slide` tokens at a time once it is full)."""
+def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 30, seed: int = 4, slide: int = 1) -> Check:
+    """Cached and uncached generation draw identical tokens from the same generator, past block_size (a full
+    window sliding `slide` tokens at a time; an endless model's cache rolling)."""
     def gen(s: int) -> torch.Generator:
         return torch.Generator(device=prompt.device).manual_seed(s)
 
@@ -358,26 +364,37 @@ def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 10, seed: i
     # positive control: a different seed draws different tokens, so equality above is informative
     other = model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed + 1), slide=slide)
     fired = (other != runs[0]).sum().item()
-    return Check(f"model: KV-cache parity ({model.config.attn_backend}, slide={slide})",
-                 differ == 0 and fired > 0, float(differ), float(fired))
+    first = (runs[0] != runs[1]).any(0).nonzero()
+    where = f"they part at token {first[0].item()}" if len(first) else ""
+    return Check("model: KV-cache parity", differ == 0 and fired > 0, float(differ), float(fired), where)
 
 
-def check_chunked_prefill(model: GPT, x: Tensor, split: int | None = None) -> Check:
-    """Feeding x through the KV cache in two chunks (T2 queries against a longer key history, the
-    case causal_mask's offset exists for) gives the same logits as one full forward."""
-    T = x.size(1)
-    split = split or T // 2
+def check_chunked_prefill(model: GPT, x: Tensor) -> Check:
+    """Feeding x through the KV cache in two chunks (queries against a longer key history) and one token at a
+    time gives the full forward's logits (to rounding)."""
     with torch.no_grad():
-        full, _ = model(x)
-        cache = model.new_cache(x.size(0))
-        first, _ = model(x[:, :split], cache=cache)
-        second, _ = model(x[:, split:], cache=cache)
-        chunked = torch.cat([first, second], dim=1)
+        full = model(x)[0]
+        errors = {path: _max(logits_by(model, x, path) - full) for path in ("chunked prefill", "decode")}
         # positive control: without the cache the second chunk alone reads a different context
-        alone, _ = model(x[:, split:])
-    quiet = _max(chunked - full)
-    fired = _max(alone - full[:, split:])
-    return Check(f"model: chunked prefill ({model.config.attn_backend})", quiet <= 1e-9 and fired > 0, quiet, fired)
+        split = x.size(1) // 2
+        fired = _max(model(x[:, split:])[0] - full[:, split:])
+    bad = [path for path, e in errors.items() if e > 1e-9]
+    return Check("model: cache values", not bad and fired > 0, max(errors.values()), fired,
+                 f"the {bad[0]} path gives other logits than one forward" if bad else "")
+
+
+def check_rolling_cache(model: GPT, x: Tensor) -> Check:
+    """With a window W the cache keeps exactly the last W positions: the keys it returns next are those."""
+    W = model.config.attn_window
+    cache = model.new_cache(x.size(0))
+    with torch.no_grad():
+        for t in range(x.size(1)):
+            model(x[:, t:t + 1], cache=cache)
+    _, held = cache.positions(0)
+    want = list(range(max(0, x.size(1) - W), x.size(1)))
+    ok = sorted(held.tolist()) == want
+    return Check("model: rolling cache", ok, 0.0 if ok else 1.0, float(len(want)),
+                 "" if ok else f"it holds positions {sorted(held.tolist())}, not the last {W}: {want}")
 
 
 # --- label shift ---------------------------------------------------------------------------------
@@ -386,20 +403,20 @@ def check_batch_shift(batch_size: int = 64, block_size: int = 8, n: int = 40) ->
     """On data 0, 1, 2, ... (as a numpy array, and as the tensor train.py batches from):
     y[:, :-1] == x[:, 1:], y[:, -1] is the token after the window, y == x + 1, and the offsets
     reach the last valid window without running past the end."""
-    wrong, reach, window_ok, top, shifts = 0, True, True, 0, set()
+    wrong, reach_ends, window_ok, top, shifts = 0, True, True, 0, set()
     for corpus in (np.arange(n, dtype=np.uint16), torch.arange(n)):
         x, y = data.get_batch(corpus, batch_size * 20, block_size, torch.Generator().manual_seed(0))
         starts = x[:, 0]
         wrong += ((y[:, :-1] != x[:, 1:]).sum() + (y[:, -1] != starts + block_size).sum() + (y != x + 1).sum()).item()
         window_ok &= bool((x == starts[:, None] + torch.arange(block_size)).all())
         # the last valid offset is n - T - 1: its target window ends exactly at the last token
-        reach &= starts.max().item() == n - block_size - 1 and starts.min().item() == 0
+        reach_ends &= starts.max().item() == n - block_size - 1 and starts.min().item() == 0
         top = max(top, y.max().item())
         shifts |= set((y - x).unique().tolist())
     where = "" if shifts == {1} else f"targets are the inputs shifted by {sorted(shifts)}, not by 1"
-    if not reach:
+    if not reach_ends:
         where += ("; " if where else "") + "the window offsets do not reach both ends of the data"
-    return Check("data: targets are next tokens", wrong == 0 and window_ok and reach,
+    return Check("data: targets are next tokens", wrong == 0 and window_ok and reach_ends,
                  float(wrong), float(top == n - 1), where)
 
 
@@ -432,7 +449,8 @@ def check_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray, seed:
     quiet = abs(loss.item() - by_hand(1))
     # positive control: the same computation against the unshifted tokens gives another number
     fired = abs(loss.item() - by_hand(0))
-    return Check("loss: CE against the next token", quiet < 1e-9 and fired > 1e-6, quiet, fired)
+    return Check("loss: CE against the next token", quiet < 1e-9 and fired > 1e-6, quiet, fired,
+                 "" if quiet < 1e-9 else "the training loss is not the cross-entropy of the next tokens")
 
 
 def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray) -> Check:
@@ -457,8 +475,9 @@ def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray)
         quiet = abs(got - by_hand(1))
         fired = abs(got - by_hand(0))  # positive control: the unshifted targets give another number
     # exact_loss takes the cross-entropy of float32 logits (as in training): agreement to <1e-6, while a
-    # wrong shift moves the loss by ~0.1
-    return Check("loss: exact val against the next token", quiet < 1e-5 and fired > 1e-3, quiet, fired)
+    # wrong shift (or another mask) moves the loss by ~0.1
+    return Check("loss: exact val against the next token", quiet < 1e-5 and fired > 1e-3, quiet, fired, "" if
+                 quiet < 1e-5 else "the exact val loss is not the cross-entropy of the next tokens under the rule")
 
 
 # --- everything at once --------------------------------------------------------------------------
@@ -474,38 +493,56 @@ def run_check(name: str, fn: Callable[..., Check], *args) -> Check:
     return check
 
 
-def model_checks(model: GPT, x: Tensor) -> list[Check]:
-    """The model-level checks that run on any model (random or trained), in float64."""
+def model_tag(model: GPT) -> str:
     c = model.config
-    modern = (c.pos_emb, c.qk_norm) != ("learned", False)
-    tag = c.attn_backend + (f", {c.pos_emb}, qk_norm={c.qk_norm}" if modern else "")
-    return [run_check(f"model: future perturbation ({tag})", check_future_perturbation, model, x),
-            run_check(f"model: gradients ({tag})", check_gradients, model, x),
-            run_check(f"model: prefix parity ({tag})", check_prefix_parity, model, x),
-            run_check(f"model: KV-cache parity ({tag})", check_cache_parity, model, x[:, :3]),
-            run_check(f"model: chunked prefill ({tag})", check_chunked_prefill, model, x)]
+    modern = f", {c.pos_emb}, qk_norm={c.qk_norm}" if (c.pos_emb, c.qk_norm) != ("learned", False) else ""
+    return c.attn_backend + modern + (f", attn_window={c.attn_window}" if c.attn_window else "")
+
+
+def model_checks(model: GPT, x: Tensor) -> Iterator[Check]:
+    """The model-level checks that run on any model (random or trained), in float64; x: (B, sequence_length)."""
+    tag = model_tag(model)
+    for path in ("forward", "chunked prefill", "decode"):
+        yield run_check(f"model: perturbation, {path} ({tag})", check_perturbation, model, x, path)
+    yield run_check(f"model: gradients ({tag})", check_gradients, model, x)
+    yield run_check(f"model: cache values ({tag})", check_chunked_prefill, model, x)
+    yield run_check(f"model: prefix parity ({tag})", check_prefix_parity, model, x[:, :model.config.block_size])
+    yield run_check(f"model: KV-cache parity ({tag})", check_cache_parity, model, x[:, :3])
+    if model.config.attn_window:
+        yield run_check(f"model: rolling cache ({tag})", check_rolling_cache, model, x)
+
+
+def attention_checks(window: int) -> Iterator[Check]:
+    """The mask and attention() alone, under the rule with this window."""
+    yield run_check(f"mask: causal_mask ({rule_name(window)})", check_mask, window)
+    for name, check in (("perturbation", check_attention_perturbation), ("weights", check_attention_weights),
+                        ("gradients", check_attention_gradients), ("half precision", check_attention_half_precision)):
+        yield run_check(f"attention: {name} ({rule_name(window)})", check, window)
 
 
 def iter_checks() -> Iterator[Check]:
-    """Every check, on both backends, on re-drawn random models, one at a time (the mutant tests stop at the
-    first that fails): the mask, attention alone, the batches, four models, and the losses."""
-    yield run_check("mask: causal_mask is the lower triangle", check_causal_mask)
+    """Every check, one at a time (the mutant tests stop at the first that fails): the mask and attention under
+    each window, the batches, models on both backends with and without rotary positions and a window, and the
+    losses."""
+    for window in WINDOWS:
+        yield from attention_checks(window)
+    yield run_check("attention: extreme scores", check_attention_extreme_scores)
     yield run_check("data: targets are next tokens", check_batch_shift)
-    for name, check in (("future perturbation", check_attention_future_perturbation),
-                        ("weights", check_attention_weights), ("extreme scores", check_attention_extreme_scores),
-                        ("gradients", check_attention_gradients), ("half precision", check_attention_half_precision)):
-        yield run_check(f"attention: {name}", check)
     for backend in ("manual", "sdpa"):
-        for options in ({}, MODERN):  # rotary positions reach attention another way than a table
+        for options in ({}, MODERN, dict(attn_window=3), dict(MODERN, attn_window=3)):
             m = leak_test_model(backend, **options)
-            yield from model_checks(m, random_tokens(4, m.config.block_size, m.config.vocab_size))
-        yield run_check(f"model: dropout causality ({backend})", check_dropout_causality, backend)
-    m = leak_test_model("manual")
-    corpus = np.random.default_rng(0).integers(0, m.config.vocab_size, 500).astype(np.uint16)
-    yield run_check("loss: CE against the next token", check_loss_is_next_token_cross_entropy, m, corpus)
-    # 2 full windows and a short one: the end of the split is scored too
-    yield run_check("loss: exact val against the next token", check_exact_loss_is_next_token_cross_entropy, m,
-                    corpus[:2 * m.config.block_size + 5])
+            yield from model_checks(m, random_tokens(4, sequence_length(m), m.config.vocab_size))
+        for window in WINDOWS:
+            yield run_check(f"model: dropout ({backend}, {rule_name(window)})", check_dropout_causality, backend,
+                            3, window)
+    for window in WINDOWS:
+        m = leak_test_model("manual", attn_window=window)
+        corpus = np.random.default_rng(0).integers(0, m.config.vocab_size, 500).astype(np.uint16)
+        tag = f" ({rule_name(window)})"
+        yield run_check("loss: CE against the next token" + tag, check_loss_is_next_token_cross_entropy, m, corpus)
+        # 2 full windows and a short one: the end of the split is scored too
+        yield run_check("loss: exact val against the next token" + tag, check_exact_loss_is_next_token_cross_entropy,
+                        m, corpus[:2 * m.config.block_size + 5])
 
 
 def all_checks() -> list[Check]:
@@ -522,7 +559,7 @@ def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
     for backend in ("manual", "sdpa"):
         m, _ = model_from_checkpoint(ckpt, "cpu", attn_backend=backend, dropout=0.0)
         m = m.double().eval()
-        length = min(T or 16, m.config.block_size)
+        length = T or min(16, m.config.block_size) + (m.config.block_size if m.endless else 0)
         checks += model_checks(m, random_tokens(3, length, m.config.vocab_size))
     return checks
 
@@ -532,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description="Run the causality checks and print each one's numbers.")
     p.add_argument("--ckpt", help="a checkpoint to check (default: re-drawn random models, every check)")
-    p.add_argument("--T", type=int, default=16, help="sequence length for checkpoint checks")
+    p.add_argument("--T", type=int, default=None, help="sequence length for checkpoint checks (default: 16, "
+                                                        "plus block_size for a model that runs past it)")
     args = p.parse_args(argv)
     try:
         checks = checkpoint_checks(args.ckpt, args.T) if args.ckpt else all_checks()

@@ -1,7 +1,10 @@
-"""Shared fixtures (helpers are in tests/tiny.py)."""
+"""Shared fixtures (helpers are in tests/tiny.py), and the mask command's report: one line per failing test,
+leaks first (python -m pytest -m mask; add --tb=short for tracebacks)."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import sys
 
 import pytest
@@ -10,6 +13,7 @@ import torch
 # Tests are about exactness, not speed: one thread keeps float results reproducible and leaves the other
 # core to the subprocesses some tests start.
 torch.set_num_threads(1)
+KINDS = ("LEAK", "query", "no leak")  # the report's order: leaks, queries blind to their own key, other rules
 
 
 @pytest.fixture(autouse=True)
@@ -22,3 +26,42 @@ def fresh_compile_caches():
 
 def pytest_addoption(parser):
     parser.addoption("--ckpt", default=None, help="also run the causality checks on this trained checkpoint")
+
+
+_failures: list[tuple[str, str]] | None = None  # (test, first line) in a mask run
+
+
+def pytest_configure(config):
+    global _failures
+    explicit_tb = any(a.startswith("--tb") for a in config.invocation_params.args)
+    if "mask" in (config.getoption("markexpr") or "") and not explicit_tb:
+        config.option.tbstyle, config.option.reportchars = "no", ""  # the summary below replaces both
+        _failures = []
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and _failures is not None:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        text = (crash.message if crash else str(report.longrepr)).strip() or "failed"
+        line = text.splitlines()[0].removeprefix("Failed: ").removeprefix("AssertionError: ").removeprefix("FAIL ")
+        _failures.append((report.nodeid.split("::")[-1], line))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Failures grouped by what they say (a check's line is "FAIL name — what | figures"), leaks first."""
+    if not _failures:
+        return
+    groups: dict[str, list[tuple[str, str]]] = {}  # a leak's pair stays apart; other numbers do not
+    for test, line in _failures:
+        name, _, what = line.rpartition(" — ") if " — " in line else (test, "", line)
+        what = what.split(" | ")[0]
+        key = what if what.startswith(KINDS) else re.sub(r"[-+]?\d[\d.e+-]*", "#", what)
+        groups.setdefault(key, []).append((what, name))
+    order = sorted(groups, key=lambda key: next((i for i, k in enumerate(KINDS) if key.startswith(k)), len(KINDS)))
+    width, shown = max(shutil.get_terminal_size().columns, 80), 20
+    terminalreporter.write_sep("=", f"{len(_failures)} failed (python -m pytest -m mask --tb=short for tracebacks)")
+    for key in order[:shown]:
+        (what, name), more = groups[key][0], len(groups[key]) - 1
+        terminalreporter.write_line(f"{what}  [{name}{f' and {more} more' if more else ''}]"[:width])
+    if len(order) > shown:
+        terminalreporter.write_line(f"... and {len(order) - shown} more kinds of failure")

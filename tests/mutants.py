@@ -1,14 +1,16 @@
-"""A catalogue of classic causality and label-shift bugs, kept as data: one line per mutant.
+"""A catalogue of classic causality, window and label-shift bugs, kept as data: one line per mutant.
 
-Each mutant replaces ONE piece of the real code (the mask function, the attention function, the
-fused kernel, or the batcher) for the duration of a test; the model itself is never copied. The
-meta-tests in tests/test_mutants.py run the same checks as the suite (tests/causality.py) with each
-mutant in place and require that at least one check fails. To add a mutant, write the broken piece
-(a few lines) and add a `Mutant(...)` line to MUTANTS.
+Each mutant replaces ONE piece of the real code (the rule, the attention function, the fused kernel, the KV
+cache, the exact val pass or the batcher) for the duration of a test; the model itself is never copied. The
+meta-tests in tests/test_mutants.py run the same checks as the suite (tests/causality.py) with each mutant in
+place and require that some check fails, and that the first failure says what kind of bug it is: a LEAK, or
+"no leak, but not" the declared rule. To add a mutant, write the broken piece (a few lines) and add a
+`Mutant(...)` line to MUTANTS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Callable
@@ -21,23 +23,32 @@ from torch import Tensor
 
 import data
 import model.attention as attn_lib
+import model.gpt
+import training.evaluate
 
-REAL = {"causal_mask": attn_lib.causal_mask, "attention": attn_lib.attention, "get_batch": data.get_batch,
-        "inputs_and_targets": data.inputs_and_targets}
+REAL = {"visible": attn_lib.visible, "attention": attn_lib.attention, "get_batch": data.get_batch,
+        "inputs_and_targets": data.inputs_and_targets, "exact_loss": training.evaluate.exact_loss,
+        "KVCache.positions": attn_lib.KVCache.positions, "GPT.new_cache": model.gpt.GPT.new_cache}
 _REAL_SDPA = F.scaled_dot_product_attention
+LEAK, NARROW_OR_WIDE = "LEAK", "no leak, but not"  # what the first failing check must say
 
 
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    piece: str  # "causal_mask", "attention", "get_batch", "inputs_and_targets" or "sdpa"
+    piece: str  # a key of REAL, or "sdpa"
     replacement: Callable
+    says: str = ""  # the first failure's line must contain this ("" = any failure)
 
 
 def substitute(monkeypatch, piece: str, replacement: Callable) -> None:
-    """Put `replacement` wherever the project holds the real piece (every module that imported it)."""
+    """Put `replacement` wherever the project holds the real piece (every module that imported it, or the class)."""
     if piece == "sdpa":
         monkeypatch.setattr(F, "scaled_dot_product_attention", replacement)
+        return
+    if "." in piece:
+        cls, name = piece.split(".")
+        monkeypatch.setattr(getattr(attn_lib, cls, None) or getattr(model.gpt, cls), name, replacement)
         return
     original = REAL[piece]
     for name, module in list(sys.modules.items()):
@@ -47,29 +58,42 @@ def substitute(monkeypatch, piece: str, replacement: Callable) -> None:
             monkeypatch.setattr(module, piece, replacement)
 
 
-# --- broken masks ----------------------------------------------------------------------------------
+# --- broken rules: visible(q_pos, k_pos, window) with one thing wrong ---------------------------------
 
-def _positions(Tq: int, Tk: int, device) -> tuple[Tensor, Tensor]:
-    q = torch.arange(Tq, device=device)[:, None] + (Tk - Tq)  # (Tq, 1) absolute query positions
-    return q, torch.arange(Tk, device=device)[None, :]  # (1, Tk)
-
-
-def mask_none(Tq, Tk, device=None):
-    return torch.ones(Tq, Tk, dtype=torch.bool, device=device)
+def _in_window(q, k, window):
+    return k > q - window if window else torch.ones_like(k <= q)
 
 
-def mask_hides_diagonal(Tq, Tk, device=None):
-    q, k = _positions(Tq, Tk, device)
-    return k < q
+def rule_none(q, k, window=0):
+    return torch.ones_like(k <= q)
 
 
-def mask_leaks_one_step(Tq, Tk, device=None):
-    q, k = _positions(Tq, Tk, device)
-    return k <= q + 1
+def rule_hides_diagonal(q, k, window=0):
+    return (k < q) & _in_window(q, k, window)
 
 
-def mask_transposed(Tq, Tk, device=None):
-    return REAL["causal_mask"](Tk, Tk, device).T[Tk - Tq:]  # the last Tq rows of the transposed square
+def rule_leaks_one_step(q, k, window=0):
+    return (k <= q + 1) & _in_window(q, k, window)
+
+
+def rule_transposed(q, k, window=0):
+    return REAL["visible"](k, q, window)
+
+
+def rule_window_one_wider(q, k, window=0):
+    return (k <= q) & (k >= q - window if window else True)  # >= instead of >: W + 1 keys
+
+
+def rule_window_one_narrower(q, k, window=0):
+    return (k <= q) & (k > q - window + 1 if window else True)  # W - 1 keys
+
+
+def rule_without_window_when_decoding(q, k, window=0):
+    return REAL["visible"](q, k, window if q.numel() > 1 else 0)  # nanochat's bug: one query, no window
+
+
+def rule_without_window_for_chunks(q, k, window=0):
+    return REAL["visible"](q, k, 0 if 1 < q.numel() < k.numel() else window)  # a prefill after a cache
 
 
 # --- broken attention functions (each is the real one with one step done wrong) --------------------
@@ -126,6 +150,36 @@ def sdpa_ignores_the_mask(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return _REAL_SDPA(q, k, v, attn_mask=None, dropout_p=dropout_p, is_causal=False, **kw)
 
 
+def sdpa_is_causal_for_square_masks(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+    square = q.size(-2) == k.size(-2)  # "the mask is causal anyway": the window is lost in training
+    return _REAL_SDPA(q, k, v, attn_mask=None if square else attn_mask, dropout_p=dropout_p, is_causal=square, **kw)
+
+
+# --- broken caches and evaluation ------------------------------------------------------------------
+
+def cache_of(extra: int) -> Callable:
+    """GPT.new_cache whose rolling buffer holds W + extra positions (evicting too few, or too many)."""
+    def new_cache(self, B):
+        c, w = self.config, self.tok_emb.weight
+        size = c.attn_window + extra if c.attn_window else c.block_size
+        return attn_lib.KVCache(c.n_layer, B, c.n_head, size, c.n_embd // c.n_head, w.device, w.dtype)
+    return new_cache
+
+
+def positions_by_slot(self, T):
+    q, k = REAL["KVCache.positions"](self, T)
+    return q % self.size, k  # the new queries (and their rotations) take their slot for their position
+
+
+def exact_loss_without_window(model, *args, **kwargs):
+    saved = model.config
+    model.config = dataclasses.replace(saved, attn_window=0)  # a model rebuilt from a config that lost it
+    try:
+        return REAL["exact_loss"](model, *args, **kwargs)
+    finally:
+        model.config = saved
+
+
 # --- broken batchers -----------------------------------------------------------------------------
 
 def batcher(shift: int) -> Callable:
@@ -147,16 +201,26 @@ def targets_equal_inputs(windows: Tensor) -> tuple[Tensor, Tensor]:
 
 
 MUTANTS = [
-    Mutant("no mask", "causal_mask", mask_none),
-    Mutant("mask hides the diagonal", "causal_mask", mask_hides_diagonal),
-    Mutant("mask leaks one step ahead", "causal_mask", mask_leaks_one_step),
-    Mutant("mask transposed", "causal_mask", mask_transposed),
+    Mutant("no mask", "visible", rule_none, LEAK),
+    Mutant("mask hides the diagonal", "visible", rule_hides_diagonal),
+    Mutant("mask leaks one step ahead", "visible", rule_leaks_one_step, LEAK),
+    Mutant("mask transposed", "visible", rule_transposed, LEAK),
+    Mutant("window one key wider (>= for >)", "visible", rule_window_one_wider, NARROW_OR_WIDE),
+    Mutant("window one key narrower", "visible", rule_window_one_narrower, NARROW_OR_WIDE),
+    Mutant("decoding ignores the window", "visible", rule_without_window_when_decoding, NARROW_OR_WIDE),
+    Mutant("chunked prefill ignores the window", "visible", rule_without_window_for_chunks, NARROW_OR_WIDE),
     Mutant("mask applied after softmax, not renormalised", "attention", attention_mask_after_softmax),
     Mutant("future scores multiplied by 0 instead of masked", "attention", attention_scores_times_zero),
     Mutant("softmax over the query axis", "attention", attention_softmax_over_queries),
     Mutant("-1e9 fill (overflows float16)", "attention", attention_fill_minus_1e9),
     Mutant("-1e4 fill instead of -inf (float32)", "attention", attention_fill_minus_1e4),
-    Mutant("sdpa without the mask", "sdpa", sdpa_ignores_the_mask),
+    Mutant("sdpa without the mask", "sdpa", sdpa_ignores_the_mask, LEAK),
+    Mutant("sdpa is_causal instead of the mask: the window lost", "sdpa", sdpa_is_causal_for_square_masks,
+           NARROW_OR_WIDE),
+    Mutant("rolling cache evicts one key too few", "GPT.new_cache", cache_of(+1)),
+    Mutant("rolling cache evicts one key too many", "GPT.new_cache", cache_of(-1)),
+    Mutant("rotary positions drift to the rolling cache's slots", "KVCache.positions", positions_by_slot),
+    Mutant("the exact val pass ignores the window", "exact_loss", exact_loss_without_window),
     Mutant("targets equal inputs (y = x)", "get_batch", batcher(0)),
     Mutant("targets shifted by two", "get_batch", batcher(2)),
     Mutant("targets shifted backwards", "get_batch", batcher(-1)),

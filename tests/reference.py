@@ -4,9 +4,11 @@ Written from the seeds' formulas and the README, sharing no code with model/: to
 position) embeddings; per block x + attn(LN(x)), then x + MLP(LN(x)); a final LN and the LM head tied
 to the token embedding. Attention: qkv rows are [q | k | v], each C wide, head h owns channels
 h*D .. (h+1)*D of each; optional RMS normalisation of q and k per head (no gain); optional rotary
-positions, pair (2i, 2i+1) rotated by p * 10000^(-2i/D); scores q.k / sqrt(D), -inf above the
-diagonal, softmax over keys, weights @ v, heads merged in order, then the output projection. MLP:
+positions, pair (2i, 2i+1) rotated by p * 10000^(-2i/D); scores q.k / sqrt(D), -inf where the declared
+rule forbids, softmax over keys, weights @ v, heads merged in order, then the output projection. MLP:
 C -> 4C, exact GELU (erf), -> C. LayerNorm: biased variance, eps 1e-5.
+
+The declared visibility rule lives here too, cell by cell: the suite holds every path of the model to it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,33 @@ import math
 
 import torch
 from torch import Tensor
+
+
+def declared_rule(q: int, k: int, window: int = 0) -> bool:
+    """May the query at position q read the key at position k? The reference of model/attention.py:visible.
+    Changing the rule on purpose? Write the new rule here too (and its name below): the whole suite then holds
+    every path of the model to it, and still refuses any query that reads a later key."""
+    return k <= q and (window == 0 or q - k < window)
+
+
+def rule_name(window: int = 0) -> str:
+    """The declared rule, in words, for failure messages."""
+    return f"attn_window={window}" if window else "the causal rule"
+
+
+def rule_grid(Tq: int, Tk: int, window: int = 0) -> Tensor:
+    """(Tq, Tk) bool: declared_rule for queries at the last Tq of Tk positions."""
+    return torch.tensor([[declared_rule(Tk - Tq + i, j, window) for j in range(Tk)] for i in range(Tq)])
+
+
+def reach(grid: Tensor, n_layer: int) -> Tensor:
+    """(T, T) bool: which tokens each position's output can depend on through n_layer attention layers of grid
+    (T, T) (the residual stream carries its own token)."""
+    step = (grid | torch.eye(len(grid), dtype=torch.bool)).double()
+    out = torch.eye(len(grid), dtype=torch.float64)
+    for _ in range(n_layer):
+        out = (step @ out > 0).double()
+    return out.bool()
 
 
 def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -54,8 +83,8 @@ def _attention(x: Tensor, sd: dict[str, Tensor], p: str, cfg: dict) -> Tensor:
     if cfg["pos_emb"] == "rope":
         q, k = _rotate(q, 0), _rotate(k, 0)
     scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, T, T)
-    future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    allowed = rule_grid(T, T, cfg.get("attn_window", 0))
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     y = (weights @ v).transpose(1, 2).reshape(B, T, C)
     return _linear(y, sd, f"{p}proj")
 

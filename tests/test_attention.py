@@ -20,7 +20,10 @@ def t(rows) -> torch.Tensor:
 
 
 def close(got: torch.Tensor, rows) -> None:
-    torch.testing.assert_close(got, torch.tensor(rows, dtype=torch.float64), atol=1e-4, rtol=0)
+    want = torch.tensor(rows, dtype=torch.float64)
+    if not torch.allclose(got, want, atol=1e-4, rtol=0):
+        pytest.fail(f"the seeds' worked example: got {got.numpy().round(4).tolist()}, the chapter has {rows}",
+                    pytrace=False)
 
 
 def test_identity_example():
@@ -55,7 +58,7 @@ def test_scores_times_the_mask_instead_of_minus_inf_leaves_weight_on_the_future(
     q = k = t([[1, 0], [0, 1], [1, 1]])
     wrong = torch.softmax((q @ k.transpose(-2, -1) / math.sqrt(2))[0, 0] * causal_mask(3, 3), dim=-1)
     assert wrong[0, 1:].sum().item() == pytest.approx(0.4965, abs=1e-4)  # exp(0) = 1, not 0
-    assert attention(q, k, q, causal_mask(3, 3))[1][0, 0, 0, 1:].sum().item() == 0.0
+    assert attention(q, k, q, causal_mask(3, 3))[1][0, 0, 0, 1:].sum().item() == 0.0, "LEAK: query 0 reads a later key"
 
 
 def qkv(T: int = 4, D: int = 3, seed: int = 0, dtype=torch.float64):
@@ -68,12 +71,13 @@ def test_mask_after_softmax_leaves_rows_unnormalised_and_reads_the_future_throug
     allowed = causal_mask(4, 4)
     _, before = attention(q, k, v, allowed)
     after = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(3), dim=-1) * allowed
-    assert (after.sum(-1)[..., :-1] < 1 - 1e-3).all()  # every row but the last lost its future mass
+    assert (after.sum(-1)[..., :-1] < 1 - 1e-3).all(), "causal_mask(4, 4) hides no later key from a query"
     k2 = k.clone()
     k2[:, :, -1] += 5  # only the last key changes
     after2 = torch.softmax(q @ k2.transpose(-2, -1) / math.sqrt(3), dim=-1) * allowed
     assert not torch.allclose(after[:, :, 0], after2[:, :, 0])
-    assert torch.equal(before[:, :, :-1], attention(q, k2, v, allowed)[1][:, :, :-1])  # masking first: no
+    assert torch.equal(before[:, :, :-1], attention(q, k2, v, allowed)[1][:, :, :-1]), \
+        "LEAK: a change of the last key moved the weights of earlier queries"  # masking first: it must not
 
 
 def test_weights_rows_sum_to_one_masked_keys_get_exactly_zero_and_allowed_ones_more():
@@ -83,10 +87,12 @@ def test_weights_rows_sum_to_one_masked_keys_get_exactly_zero_and_allowed_ones_m
     assert (w[..., ~causal_mask(7, 7)] == 0).all() and (w[..., causal_mask(7, 7)] > 0).all()
 
 
-def test_causal_mask_aligns_the_queries_with_the_last_keys():
-    assert torch.equal(causal_mask(3, 3), torch.ones(3, 3, dtype=torch.bool).tril())
-    assert torch.equal(causal_mask(1, 4), torch.ones(1, 4, dtype=torch.bool))  # one new query reads all
-    assert torch.equal(causal_mask(2, 4), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool))
+@pytest.mark.parametrize("window", [0, 2])
+def test_causal_mask_aligns_the_queries_with_the_last_keys(window):
+    """Tq queries against Tk keys (decoding after a cache) are the last Tq rows of the square mask, whatever the
+    rule (its grid itself is checked against tests/reference.py by the causality checks)."""
+    for Tq in range(1, 6):
+        assert torch.equal(causal_mask(Tq, 5, window=window), causal_mask(5, 5, window=window)[5 - Tq:])
     with pytest.raises(ValueError, match="Tq=3, Tk=2"):
         causal_mask(3, 2)
 
@@ -106,7 +112,7 @@ def test_a_query_that_may_read_no_key_is_refused_instead_of_nan():
 def test_minus_1e9_overflows_float16_while_minus_inf_keeps_masked_weights_at_zero():
     with pytest.raises(RuntimeError, match="overflow"):
         torch.zeros(1, 3, dtype=torch.float16).masked_fill(torch.tensor([[False, True, True]]), -1e9)
-    assert additive_mask(causal_mask(4, 4), torch.float16)[0, 1].item() == float("-inf")
+    assert additive_mask(causal_mask(4, 4), torch.float16)[0, 1].item() == float("-inf"), "LEAK: query 0 reads key 1"
     q, k, v = qkv(dtype=torch.float16)
     _, w = attention(q, k, v, causal_mask(4, 4))
     assert (w[..., ~causal_mask(4, 4)] == 0).all() and torch.isfinite(w).all()

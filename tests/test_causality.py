@@ -1,6 +1,7 @@
-"""No position reads the future: perturbation, gradient, prefix, dropout and KV-cache checks, on every
-combination of the model's options. Every check lives in tests/causality.py, with its positive control;
-a failure says which (query, key) pair leaked and in which layer.
+"""No query reads a later key, and every path reads exactly what the declared rule allows (tests/reference.py):
+the mask, attention alone, and the model's perturbation, gradient, prefix, cache and dropout checks, for every
+combination of the model's options, windowed or not. Every check lives in tests/causality.py, with its positive
+control; a failure says LEAK with the (query, key) pair and layer, or how the mask differs from the rule.
 
 On a trained model:  python -m pytest tests/test_causality.py -k checkpoint --ckpt out/RUN/ckpt.pt -s
 """
@@ -17,18 +18,20 @@ from model import GPTConfig
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
-OPTION_VALUES = {"attn_backend": ["manual", "sdpa"], "pos_emb": ["learned", "rope"], "qk_norm": [False, True]}
+OPTION_VALUES = {"attn_backend": ["manual", "sdpa"], "pos_emb": ["learned", "rope"], "qk_norm": [False, True],
+                 "attn_window": list(C.WINDOWS)}
 COMBINATIONS = [dict(zip(OPTION_VALUES, v, strict=True)) for v in itertools.product(*OPTION_VALUES.values())]
-ATTENTION_CHECKS = [C.check_causal_mask, C.check_attention_future_perturbation, C.check_attention_weights,
-                    C.check_attention_extreme_scores, C.check_attention_gradients, C.check_attention_half_precision]
 
 
-@pytest.mark.parametrize("check", ATTENTION_CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
-def test_attention_reads_no_future_key(check):
-    """The mask is the lower triangle (drawn on failure); outputs before j ignore q, k, v at j; future weights
-    are exactly 0 even when a masked score beats every allowed one by ~1e300; gradients reach the past and
-    the diagonal, never the future; half precision stays finite and causal."""
-    C.require(check())
+@pytest.mark.parametrize("window", C.WINDOWS)
+def test_the_mask_and_attention_read_exactly_what_the_rule_allows(window):
+    """The mask is the rule's grid (drawn on failure); output i moves with q, k, v at j, its weight on j is > 0
+    and its gradient reaches j exactly where the rule allows; half precision stays finite and on the rule."""
+    C.require(*C.attention_checks(window))
+
+
+def test_a_masked_key_gets_exactly_zero_weight_however_high_it_scores():
+    C.require(C.check_attention_extreme_scores())
 
 
 def test_the_option_matrix_covers_every_model_option():
@@ -38,13 +41,13 @@ def test_the_option_matrix_covers_every_model_option():
 
 
 @pytest.mark.parametrize("options", COMBINATIONS, ids=lambda o: "-".join(map(str, o.values())))
-def test_no_position_reads_the_future_for_any_combination_of_options(options):
-    """Future perturbation (bit-identical past logits), gradients, prefix parity, KV-cache parity and a
-    chunked prefill, then the same perturbation in train mode with dropout."""
-    backend, rest = options["attn_backend"], {k: v for k, v in options.items() if k != "attn_backend"}
-    model = C.leak_test_model(backend, **rest)
-    x = C.random_tokens(4, model.config.block_size, model.config.vocab_size)
-    C.require(*C.model_checks(model, x), C.check_dropout_causality(backend, **rest))
+def test_every_path_reads_exactly_what_the_rule_allows_for_any_combination_of_options(options):
+    """Perturbation through one forward, a chunked prefill and one-token decoding (past block_size where the model
+    runs on), gradients, cached against uncached logits and tokens, prefix parity, the rolling cache's contents,
+    then the same perturbation in train mode with dropout."""
+    model = C.leak_test_model(**options)
+    x = C.random_tokens(4, C.sequence_length(model), model.config.vocab_size)
+    C.require(*C.model_checks(model, x), C.check_dropout_causality(**options))
 
 
 @pytest.mark.parametrize("slide", [3, 10])

@@ -19,7 +19,7 @@ from reference import reference_forward
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
 VALUES = {"attn_backend": ["manual", "sdpa"], "pos_emb": ["learned", "rope"], "qk_norm": [False, True],
-          "bias": [False, True]}
+          "bias": [False, True], "attn_window": [0, 3]}
 OPTIONS = [dict(zip(VALUES, v, strict=True)) for v in itertools.product(*VALUES.values())]
 
 
@@ -143,7 +143,8 @@ def tiny(**kw) -> GPTConfig:
     (dict(n_embd=30, n_head=4), "n_embd=30 must be divisible by n_head=4"),
     (dict(n_layer=0), "n_layer must be a positive integer"), (dict(block_size=2.5), "block_size must be a positive"),
     (dict(attn_backend="flash"), "attn_backend='flash' is unknown"), (dict(dropout=1.0), "dropout must be in"),
-    (dict(pos_emb="rope", n_embd=18, n_head=2), "needs an even head width, got 9")])
+    (dict(pos_emb="rope", n_embd=18, n_head=2), "needs an even head width, got 9"),
+    (dict(attn_window=-1), "attn_window must be an integer >= 0"), (dict(attn_window=13), "exceeds block_size=12")])
 def test_a_model_config_refusal_names_the_field_and_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         tiny(**kwargs)
@@ -198,7 +199,8 @@ def test_generation_past_block_size_reads_the_documented_windows(prompt_len, sli
     prompt = torch.randint(11, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
     want = greedy_over_windows(model, prompt, 40, slide)
     for use_cache in (True, False):
-        assert torch.equal(model.generate(prompt, 40, temperature=0, use_cache=use_cache, slide=slide), want)
+        got = model.generate(prompt, 40, temperature=0, use_cache=use_cache, slide=slide)
+        assert torch.equal(got, want), f"generation (use_cache={use_cache}) does not read the documented windows"
     assert not torch.equal(want, greedy_over_windows(model, prompt, 40, 7 if slide != 7 else 2))  # control
     with pytest.raises(ValueError, match=r"slide must be an integer in \[1, block_size=12\]"):
         model.generate(prompt, 1, slide=13)
@@ -216,6 +218,29 @@ def test_the_cache_feeds_one_token_per_step_and_recomputation_the_whole_window(s
     seen.clear()
     model.generate(torch.zeros(1, 3, dtype=torch.long), 4, use_cache=False)
     assert seen == [3, 4, 5, 6]  # the parity checks compare the cache with a real recomputation
+
+
+def test_a_windowed_rotary_model_generates_past_block_size_on_a_rolling_cache_without_re_prefilling():
+    """rope + attn_window=3, block 12: greedy generation of 4 blocks gives the tokens of one full forward over the
+    whole sequence per token, with and without the cache; the cache is fed the prompt once, then one token per
+    step, and holds W positions per layer however long it runs (constant cost and memory per token)."""
+    model = C.redraw_parameters_(GPT(tiny(pos_emb="rope", attn_window=3)).double()).eval()
+    prompt = torch.randint(11, (2, 5), generator=torch.Generator().manual_seed(0))
+    seq = prompt
+    for _ in range(48):  # the documented result: every earlier token at its own position
+        seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert len(set(seq[0, 5:].tolist())) > 3  # not a constant stream: the equality below is informative
+    fed, caches = [], []
+    model.register_forward_pre_hook(lambda _m, args, kw: fed.append(args[0].size(1)) or caches.append(kw.get("cache")),
+                                    with_kwargs=True)
+    assert torch.equal(model.generate(prompt, 48, temperature=0), seq)
+    assert fed == [5] + [1] * 47 and all(c is caches[0] for c in caches)
+    assert all(k.size(2) == 3 for k in caches[0].k + caches[0].v)
+    assert torch.equal(model.generate(prompt, 48, temperature=0, use_cache=False), seq)
+    learned = GPT(tiny(attn_window=3)).eval()  # a position table still ends at block_size: the window slides
+    assert learned.generate(prompt, 48).shape == (2, 53)
+    with pytest.raises(ValueError, match="exceeds block_size 12"):
+        learned(torch.zeros(1, 13, dtype=torch.long))
 
 
 def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention_sees_only_offsets():

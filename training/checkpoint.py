@@ -117,7 +117,7 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
     if not path.exists():
         raise ValueError(f"--resume: no checkpoint at {path}; without --resume the run starts afresh there")
     ckpt = load_checkpoint(path, map_location=device)
-    have = ckpt["model_config"]
+    have = GPTConfig(**ckpt["model_config"]).to_dict()  # a field added since: its default
     diff = [f"{k}: checkpoint {have.get(k)!r} vs config {v!r}" for k, v in model_config.to_dict().items()
             if k not in ("dropout", "attn_backend") and have.get(k) != v]  # neither changes what eval computes
     if diff:

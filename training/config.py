@@ -44,6 +44,8 @@ class TrainConfig:
     attn_backend: str = _f("manual", "from-scratch attention, or PyTorch's fused kernel", ATTN_BACKENDS)
     pos_emb: str = _f("learned", "learned position table, or rotary q/k (rope)", POS_EMBS)
     qk_norm: bool = _f(False, "RMS-normalise queries and keys per head")
+    attn_window: int = _f(0, "sliding window: each query reads itself and the W - 1 keys before it (W keys, as "
+                             "torchtitan counts; FlashAttention's window_size=(W - 1, 0)); 0 = every earlier key")
     batch_size: int = _f(64, "sequences per micro-batch", rule=">= 1")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step", rule=">= 1")
     max_iters: int = _f(5000, "optimizer steps", rule=">= 1")
