@@ -14,6 +14,7 @@ from data import CharTokenizer, decode_utf8
 from model import GPT
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
 from training.config import MAX_SEED
+from training.runtime import reproducible_blas
 from training.visualize import prompt_attention, save_attention_png
 
 
@@ -77,15 +78,17 @@ def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], 
 
 def attention_png(args: argparse.Namespace) -> None:
     """Draw each layer's and head's attention over the prompt's last block_size characters."""
-    model, _, prompt, ids, ckpt = load(args)
-    prompt, ids = prompt[-model.config.block_size:], ids[-model.config.block_size:]
+    model, _, prompt, full, ckpt = load(args)
+    prompt, ids = prompt[-model.config.block_size:], full[-model.config.block_size:]
     maps = prompt_attention(model, ids)  # L x (H, T, T)
     path = args.attention_png or ckpt.parent / "attention.png"
     try:
         save_attention_png(path, maps, list(prompt))
     except OSError as e:
         raise ValueError(f"--attention_png: cannot write {path}: {e.strerror or e}") from None
-    print(f"[wrote {path}: {len(maps)} layers x {maps[0].shape[0]} heads, {len(ids)} x {len(ids)}]", file=sys.stderr)
+    cropped = f" (the last {len(ids)} of the prompt's {len(full)} characters)" if len(full) > len(ids) else ""
+    print(f"[wrote {path}: {len(maps)} layers x {maps[0].shape[0]} heads, {len(ids)} x {len(ids)}{cropped}]",
+          file=sys.stderr)
 
 
 def sample(args: argparse.Namespace) -> None:
@@ -112,6 +115,7 @@ def sample(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line; exit status 0, or 1 for a refused option or input."""
+    reproducible_blas()
     args = build_parser().parse_args(argv)
     try:
         attention_png(args) if args.attention_png is not None else sample(args)

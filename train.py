@@ -21,7 +21,7 @@ from training.distributed import close_distributed, init_distributed, launched_b
 from training.faults import RunGuard, exit_code, signal_name
 from training.log import RunLog, bpc, estimated_seconds, format_duration
 from training.optim import configure_optimizers
-from training.runtime import autocast_context, peak_flops, resolve_device, resolve_dtype, run_facts
+from training.runtime import autocast_context, peak_flops, reproducible_blas, resolve_device, resolve_dtype, run_facts
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 LONG_RUN_SECONDS = 15 * 60  # a longer estimate without CUDA suggests the fast CPU recipe
@@ -33,8 +33,10 @@ RUN_ERRORS = (ValueError, FloatingPointError, ConnectionError, ImportError, OSEr
 def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
     """Run cfg (a TrainConfig), one rank under torchrun; returns summary.json's dict. verbose=False: no output."""
     t_start = time.perf_counter()
+    out_dir, moved = checkpoint.run_folder(cfg)  # never into another run's folder, unless asked
+    cfg = cfg.replace(out_dir=str(out_dir))
     dist = init_distributed(os.environ, cfg.device)
-    device, out_dir = dist.device, Path(cfg.out_dir)
+    device = dist.device
     ckpt_path = out_dir / checkpoint.CKPT_NAME
     guard = RunGuard(device, ckpt_path, dist.enabled, announce=verbose and dist.is_main)
     try:
@@ -45,7 +47,11 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         tok = corpus.tokenizer
         model_cfg = cfg.model_config(tok.vocab_size)
         ckpt = checkpoint.checkpoint_to_resume(cfg, model_cfg, tok, device) if cfg.resume else None
-        dtype = resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd))
+        if ckpt and cfg.dtype == "auto" and ckpt["config"].get("dtype", "auto") != "auto":
+            dtype, dtype_why = getattr(torch, ckpt["config"]["dtype"]), "the run's own, from its checkpoint"
+        else:
+            dtype, dtype_why = resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd))
+        cfg = cfg.replace(dtype=str(dtype).removeprefix("torch."))  # what ran: a resume keeps it
         guard.float16, autocast = dtype == torch.float16, autocast_context(device, dtype)
         use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -73,19 +79,22 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                 raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); give "
                                  "another --out_dir") from None
             checkpoint.remove_partial_saves(out_dir)
+            if cfg.overwrite and not cfg.resume:  # the old run's curves would mix with this one's
+                for old in [*out_dir.glob("events.out.tfevents.*"), out_dir / "summary.json"]:
+                    old.unlink(missing_ok=True)
             checkpoint.write_json(out_dir / "config.json", facts)
         log = RunLog(cfg, model, peak_flops(device, cfg.peak_tflops), start, enabled=verbose and dist.is_main)
         log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, {tok.vocab_size} "
-                 f"symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']}"
+                 f"symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']} ({dtype_why})"
                  + (" compiled" if use_compile else "") + (f" | resumed at step {start}" if ckpt else "")
                  + (f" | {dist.world_size} processes" if dist.enabled else ""))
-        if ckpt is None and ckpt_path.exists():
-            log.line(f"note: the first save replaces {ckpt_path} (--resume continues it)")
+        if moved:
+            log.line(f"note: {moved}")
         if device.type != "cuda" and verbose and dist.is_main:
             seconds, forward = estimated_seconds(model, cfg, start, len(val_data), device, autocast)
             log.line(f"estimated duration on this machine: {format_duration(seconds)} (one forward of a "
                      f"{cfg.batch_size}x{cfg.block_size} batch: {forward:.2f} s)")
-            if seconds > LONG_RUN_SECONDS:
+            if seconds > LONG_RUN_SECONDS and not (argv and Path(argv[0]).name == "shakespeare_char_cpu_fast.toml"):
                 fast = os.path.relpath(CONFIGS / "shakespeare_char_cpu_fast.toml")
                 log.line(f"this is a GPU-sized run for this machine; for a run of minutes: python train.py {fast}")
         splits = {"train": train_data, "val": val_data}
@@ -166,6 +175,8 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                               wall_seconds=time.perf_counter() - t_start, interrupted=interrupted)
         log.finish(summary, done, interrupted)
         return summary
+    except KeyboardInterrupt:  # a second Ctrl-C: say what is on disk
+        raise KeyboardInterrupt(guard.kept()) from None
     finally:
         guard.disarm()
         close_distributed(dist)
@@ -187,6 +198,7 @@ def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
 def main(argv: list[str] | None = None) -> int:
     """Command line; returns exit status (0 done, 1 error, 128 + N stopped by signal N)."""
     argv = sys.argv[1:] if argv is None else argv
+    reproducible_blas()
     if "-h" in argv or "--help" in argv:
         try:
             print(help_text(), flush=True)
@@ -204,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         if not quiet:
             print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C in set-up, or a second one in the loop
-        print("interrupted: exited at once without saving; the last checkpoint is as it was", file=sys.stderr)
+    except KeyboardInterrupt as e:  # Ctrl-C in set-up, or a second one in the loop
+        print(f"interrupted: exited at once without saving; {e or 'nothing was written'}", file=sys.stderr)
         return exit_code("SIGINT")
     return exit_code(summary["interrupted"]) if summary["interrupted"] else 0
 

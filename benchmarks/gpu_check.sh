@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared script for a machine with a GPU: correctness on CUDA, the GPU training run on the
 # from-scratch attention and on sdpa side by side (same steps, same seed), the fast recipe, and the
-# KV-cache benchmark, with every figure written as JSON/text to one folder.
+# KV-cache benchmarks (the rolling one too), with every figure written as JSON/text to one folder.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]            # the bundled Tiny Shakespeare, or SHAKESPEARE=FILE
 #   LONG=1 ...                                        # also the 3-minute best-val run (+4 min)
@@ -9,8 +9,8 @@
 #
 # OUT_DIR defaults to $OUT (set by the device tool) or out/gpu_check. Needs PyTorch, numpy, tqdm,
 # tensorboard and pytest; no network (the corpus is corpora/tinyshakespeare.txt, or a synthetic one in
-# dry mode). Budget: under 8 minutes on one H100/H200 (three compiled runs: the 5000-step baseline
-# on each backend and the fast recipe), about 12 with LONG=1.
+# dry mode). Budget: under 10 minutes on one H100/H200 (four compiled runs: the 5000-step baseline
+# on each backend and the fast recipe with and without a window), about 14 with LONG=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-out/gpu_check}}
@@ -86,6 +86,7 @@ print(json.dumps(out, indent=2))
 EOF
 cat "$OUT_DIR/manual_vs_sdpa.json" | tee -a "$LOG"
 train_run configs/shakespeare_char_fast.toml train_fast 1.47
+train_run configs/shakespeare_char_fast.toml train_fast_window64 1.50 --attn_window=64  # a sliding window of 64 of 256
 if [ "${LONG:-0}" = "1" ]; then
     train_run configs/shakespeare_char_fast_3min.toml train_fast_3min 1.42
 fi
@@ -94,6 +95,10 @@ step "KV-cache benchmark on $DEVICE"
 python benchmarks/kv_cache.py --device="$DEVICE" --json="$OUT_DIR/kv_cache.json" "${KV_ARGS[@]}" \
     >> "$LOG" 2>&1 || status=1
 cat "$OUT_DIR/kv_cache.json" 2>/dev/null | grep -E "per_second|speedup|identical" | tee -a "$LOG"
+step "rolling KV cache (attn_window=64, rotary) to 16 x block_size on $DEVICE"
+python benchmarks/kv_cache.py --device="$DEVICE" --window=64 --json="$OUT_DIR/kv_cache_rolling.json" \
+    $([ "${DRY:-0}" = "1" ] && echo --small) >> "$LOG" 2>&1 || status=1
+grep -E "blocks|per_second|cache_bytes|identical" "$OUT_DIR/kv_cache_rolling.json" 2>/dev/null | tee -a "$LOG"
 
 rm -rf "$OUT_DIR/run"  # checkpoints and caches stay behind: only figures come back
 step "done (status $status); results in $OUT_DIR"

@@ -3,9 +3,11 @@ leaks first (python -m pytest -m mask; add --tb=short for tracebacks)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ import torch
 # Tests are about exactness, not speed: one thread keeps float results reproducible and leaves the other
 # core to the subprocesses some tests start.
 torch.set_num_threads(1)
+# remembered measurements (training/runtime.py) go to a folder of this session, never the user's ~/.cache
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gpt-char-tests-")
 KINDS = ("LEAK", "query", "no leak")  # the report's order: leaks, queries blind to their own key, other rules
 
 

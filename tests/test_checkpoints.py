@@ -93,6 +93,25 @@ def test_resuming_with_another_rng_state_changes_the_weights(pair, tmp_path):
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resumed_run_keeps_the_dtype_auto_chose_at_its_start(tmp_path, monkeypatch):
+    """auto chose bfloat16 at the start; at the resume the probe says float32 (another machine, or a timing that
+    flipped): the run keeps bfloat16 and ends bit-identical to the uninterrupted one, while float32 forced on the
+    resume (the positive control) ends elsewhere."""
+    import training.runtime
+
+    monkeypatch.setattr(training.runtime, "bf16_pays", lambda *a, **k: (True, "bf16 pays"))
+    whole = train.train(config(tmp_path, "whole"), verbose=False)
+    split = config(tmp_path, "split")
+    train.train(split.replace(max_iters=K), verbose=False)
+    shutil.copytree(tmp_path / "split", tmp_path / "forced")
+    monkeypatch.setattr(training.runtime, "bf16_pays", lambda *a, **k: (False, "bf16 does not pay"))
+    resumed = train.train(split.replace(resume=True), verbose=False)
+    forced = train.train(split.replace(resume=True, dtype="float32", out_dir=str(tmp_path / "forced")), verbose=False)
+    assert whole["dtype"] == resumed["dtype"] == "bfloat16" and forced["dtype"] == "float32"
+    a, b, c = (load_checkpoint(tmp_path / name / CKPT_NAME)["model"] for name in ("whole", "split", "forced"))
+    assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], c[k]) for k in a)
+
+
 def plain(x) -> bool:
     if isinstance(x, dict):
         return all(isinstance(k, str) and plain(v) for k, v in x.items())
@@ -275,7 +294,7 @@ def test_a_failed_save_leaves_the_old_file_byte_identical_and_no_temp_file(tmp_p
 
 
 def test_a_run_removes_the_temporary_files_that_killed_writes_left_behind(tmp_path):
-    cfg = tiny_config(tmp_path, max_iters=2, eval_interval=2, exact_val=False)
+    cfg = tiny_config(tmp_path, max_iters=2, eval_interval=2, exact_val=False, overwrite=True)  # into that folder
     out = Path(cfg.out_dir)
     out.mkdir()
     seen = []  # the name a write in progress really has: what a SIGKILL would leave
@@ -288,6 +307,26 @@ def test_a_run_removes_the_temporary_files_that_killed_writes_left_behind(tmp_pa
     train.train(cfg, verbose=False)
     assert not any(p.exists() for p in stale)
     assert (out / "notes.txt").exists() and load_checkpoint(out / CKPT_NAME)["step"] == 2
+
+
+def test_a_run_never_writes_into_another_runs_folder_unless_told_to(tmp_path, capsys):
+    """A run on another dataset with the same config leaves the first run's checkpoint, summary and events
+    byte-identical and writes beside it, named for its dataset, saying where; the same dataset again goes to
+    out-2; --overwrite replaces the run in place, its old curves removed."""
+    cfg = tiny_config(tmp_path, max_iters=2, eval_interval=2)
+    assert train.main(cli_args(cfg)) == 0
+    out = Path(cfg.out_dir)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert any(name.startswith("events.out.tfevents") for name in before)
+    other = tmp_path / "mytext.txt"
+    other.write_text("Another corpus, of other characters. " * 40)
+    assert train.main(cli_args(cfg.replace(dataset=str(other)))) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert f"writes to {tmp_path / 'out-mytext'}" in capsys.readouterr().out
+    assert load_checkpoint(tmp_path / "out-mytext" / CKPT_NAME)["config"]["dataset"] == str(other)
+    assert train.train(cfg, verbose=False) and (tmp_path / "out-2" / CKPT_NAME).exists()
+    assert train.main(cli_args(cfg.replace(overwrite=True, max_iters=3, lr_decay_iters=3))) == 0
+    assert load_checkpoint(out / CKPT_NAME)["step"] == 3 and len(list(out.glob("events.out.tfevents.*"))) == 1
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])

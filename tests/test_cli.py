@@ -288,3 +288,15 @@ def test_a_prompt_longer_than_block_size_is_continued_and_its_last_block_size_ch
     for name, text in (("long.png", prompt), ("last.png", prompt[-16:])):
         assert run_sample(capsys, ckpt, f"--prompt={text}", f"--attention_png={tmp_path / name}")[0] == 0
     assert (tmp_path / "long.png").read_bytes() == (tmp_path / "last.png").read_bytes()
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's modes: x86 builds of PyTorch")
+def test_train_py_puts_mkl_in_its_strict_reproducible_mode_before_its_first_matmul(tmp_path):
+    """Outside MKL's strict CNR mode a gemm's result can depend on how many threads MKL takes at run time, so on
+    the machine's load; train.py asks for the strict mode (unless MKL_CBWR is set), and every gemm runs in it."""
+    cfg = tiny_config(tmp_path, max_iters=1, eval_interval=1, eval_iters=1, exact_val=False, tensorboard=False)
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | {"MKL_VERBOSE": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv_for(cfg)], env=env, capture_output=True,
+                         text=True, timeout=120).stdout
+    modes = set(re.findall(r"CNR:(\S+)", out))
+    assert modes == {"AUTO,STRICT"}, modes

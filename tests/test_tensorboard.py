@@ -23,8 +23,8 @@ from training import CKPT_NAME, lr_at, parse_args
 from training.log import ATTENTION_CHARS
 from training.visualize import EMPTY, layout_for
 
-HPARAMS = {"n_layer", "n_embd", "n_head", "block_size", "optimizer", "pos_emb", "learning_rate", "max_iters"}
-METRICS = {"val/loss", "val/loss_exact", "train/loss"}
+HPARAMS = {"n_layer", "n_embd", "block_size", "learning_rate", "max_iters"}
+METRICS = {"loss/val", "loss/val_exact", "loss/train"}
 RECIPE = parse_args([str(ROOT / "configs" / "shakespeare_char_cpu_fast.toml")])  # the fast CPU recipe
 QUIET = contextlib.redirect_stdout(io.StringIO())  # a verbose run (the only kind that writes events), swallowed
 
@@ -80,27 +80,27 @@ def test_scalars_are_written_at_every_step_and_every_eval(run):
     cfg, acc = run
     every, evals = range(cfg.max_iters), sorted({*range(0, cfg.max_iters, cfg.eval_interval), cfg.max_iters})
     last = [cfg.max_iters]
-    expected = {"train/loss": every, "lr": every, "grad_norm": every, "tokens_per_second": every, "val/loss": evals,
-                "train/loss_estimate": evals, "val/bpc": evals, "val/loss_exact": last, "val/bpc_exact": last}
+    expected = {"loss/train": every, "optim/lr": every, "optim/grad_norm": every, "speed/tokens_per_second": every, "loss/val": evals,
+                "loss/train_estimate": evals, "loss/val_bpc": evals, "loss/val_exact": last, "loss/val_bpc_exact": last}
     for tag, want in expected.items():
         assert steps(acc, tag) == list(want), tag
-    assert all(math.isclose(e.value, lr_at(e.step, cfg), rel_tol=1e-6) for e in acc.Scalars("lr"))  # its own step's
+    assert all(math.isclose(e.value, lr_at(e.step, cfg), rel_tol=1e-6) for e in acc.Scalars("optim/lr"))  # its own step's
 
 
 def test_bits_per_character_are_the_loss_over_ln_2(run):
     cfg, acc = run
-    for loss, bpc in (("val/loss", "val/bpc"), ("val/loss_exact", "val/bpc_exact")):
+    for loss, bpc in (("loss/val", "loss/val_bpc"), ("loss/val_exact", "loss/val_bpc_exact")):
         pairs = list(zip(acc.Scalars(loss), acc.Scalars(bpc), strict=True))
         assert pairs and all(math.isclose(b.value, a.value / math.log(2), rel_tol=1e-6) for a, b in pairs)
     written = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
     assert math.isclose(written["final_val_bpc"], written["final_val_loss"] / math.log(2), rel_tol=1e-12)
-    assert math.isclose(acc.Scalars("val/loss_exact")[0].value, written["final_val_loss"], rel_tol=1e-6)
+    assert math.isclose(acc.Scalars("loss/val_exact")[0].value, written["final_val_loss"], rel_tol=1e-6)
 
 
 def test_a_text_sample_continues_a_newline_at_every_eval(run):
     cfg, acc = run
     samples = acc.Tensors("sample/text_summary")
-    assert [e.step for e in samples] == steps(acc, "val/loss")
+    assert [e.step for e in samples] == steps(acc, "loss/val")
     for e in samples:
         lines = e.tensor_proto.string_val[0].decode().split("\n")  # each in a markdown code block: verbatim
         text = "\n".join(line.removeprefix("    ") for line in lines)
@@ -114,7 +114,7 @@ def test_attention_images_of_every_layer_at_every_eval_leave_the_future_white(ru
     lay, future = layout_for(1, cfg.n_head, T), np.triu(np.ones((T, T), dtype=bool), 1)  # future: key after query
     for layer in range(cfg.n_layer):
         images = acc.Images(f"attention/layer_{layer}")
-        assert [e.step for e in images] == steps(acc, "val/loss")
+        assert [e.step for e in images] == steps(acc, "loss/val")
         for e in images:
             image = np.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("RGB"))
             assert image.shape == (lay.size[1], lay.size[0], 3)
@@ -133,8 +133,9 @@ def test_hparams_declare_the_metrics_and_hparams_and_name_the_session_by_out_dir
     assert {m.name.tag for m in experiment.metric_infos} == METRICS
     assert METRICS <= set(acc.Tags()["scalars"])  # every declared metric has values to show
     start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
-    assert start.group_name == cfg.out_dir
+    assert start.group_name == Path(cfg.out_dir).name  # short: the table shows it whole
     assert start.hparams["n_layer"].number_value == cfg.n_layer and start.hparams["optimizer"].string_value == "adamw"
+    assert sorted(acc.Tags()["scalars"])[0].startswith("loss/")  # TensorBoard's alphabetical order opens on the loss
 
 
 def test_a_finished_run_ends_its_session_with_success_and_an_interrupted_one_leaves_it_open(run, resumed):
@@ -149,12 +150,12 @@ def test_a_finished_run_ends_its_session_with_success_and_an_interrupted_one_lea
 
 def test_a_resumed_run_leaves_one_point_per_step(resumed):
     cfg, _, before, t_resume, after = resumed
-    assert steps(before, "train/loss") == [0, 1, 2, 3, 4]  # the stopped run logged past its checkpoint (3)
-    assert steps(after, "train/loss") == list(range(cfg.max_iters))
-    assert steps(after, "val/loss") == [0, 3, 6]
-    assert all(e.wall_time >= t_resume for e in after.Scalars("train/loss") if e.step >= 3)  # the replayed ones
+    assert steps(before, "loss/train") == [0, 1, 2, 3, 4]  # the stopped run logged past its checkpoint (3)
+    assert steps(after, "loss/train") == list(range(cfg.max_iters))
+    assert steps(after, "loss/val") == [0, 3, 6]
+    assert all(e.wall_time >= t_resume for e in after.Scalars("loss/train") if e.step >= 3)  # the replayed ones
 
 
 def test_the_fast_cpu_recipe_evaluates_at_least_8_times(run):
     assert RECIPE.max_iters // RECIPE.eval_interval + 1 >= 8
-    assert len(steps(run[1], "val/loss")) >= 8  # the tiny run at the recipe's eval_interval / max_iters
+    assert len(steps(run[1], "loss/val")) >= 8  # the tiny run at the recipe's eval_interval / max_iters

@@ -369,17 +369,33 @@ def test_muon_steps_by_orthogonalised_nesterov_momentum_scaled_up_for_tall_matri
     (3.0, (12 * 64, 128), torch.bfloat16), (3.0, (2 ** 10, 2 ** 6 - 1), torch.float32),
     (1.4, (12 * 64, 128), torch.float32), (0.09, (12 * 64, 128), torch.float32)],
     ids=["amx-laptop-recipe", "too-small", "too-little-gain", "avx2-only"])
-def test_auto_dtype_on_a_cpu_is_bfloat16_only_where_its_matmuls_are_fast_and_large(monkeypatch, speedup, matmul,
-                                                                                    expected):
+def test_auto_dtype_on_a_cpu_is_bfloat16_only_where_its_matmuls_are_fast_and_large(monkeypatch, tmp_path, speedup,
+                                                                                    matmul, expected):
     import training.runtime
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(training.runtime, "cpu_bf16_speedup", lambda rows, width: speedup)
-    assert resolve_dtype("auto", torch.device("cpu"), matmul) == expected
-    assert resolve_dtype("float32", torch.device("cpu"), matmul) == torch.float32  # an explicit choice stands
+    assert resolve_dtype("auto", torch.device("cpu"), matmul)[0] == expected
+    assert resolve_dtype("float32", torch.device("cpu"), matmul)[0] == torch.float32  # an explicit choice stands
+
+
+def test_the_bf16_probe_is_measured_once_per_machine_and_shape_and_then_remembered(monkeypatch, tmp_path):
+    """Timings on a loaded machine swing from 0.02x to 20x: the choice is made once, kept on disk (in
+    XDG_CACHE_HOME), and read back at every later start, so it never flips between a run and its resume."""
+    import training.runtime
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(training.runtime, "cpu_bf16_speedup", lambda rows, width: measured.append(rows) or 3.0)
+    cpu = torch.device("cpu")
+    first = resolve_dtype("auto", cpu, (768, 128))
+    monkeypatch.setattr(training.runtime, "cpu_bf16_speedup", lambda rows, width: measured.append(rows) or 0.5)
+    assert resolve_dtype("auto", cpu, (768, 128)) == first and first[0] == torch.bfloat16 and measured == [768]
+    assert "3.00x" in first[1] and str(tmp_path / "gpt-char" / "probes.json") in first[1]
+    assert resolve_dtype("auto", cpu, (1536, 128))[0] == torch.float32 and measured == [768, 1536]  # another shape
 
 
 def test_the_bf16_probe_times_real_matmuls_without_touching_the_global_rng():
-    cpu_bf16_speedup.cache_clear()
     state = torch.get_rng_state()
     ratios = {cpu_bf16_speedup(rows, width) for rows, width in ((64, 32), (256, 64))}
     assert all(r > 0 for r in ratios) and len(ratios) == 2 and torch.equal(torch.get_rng_state(), state)

@@ -48,6 +48,25 @@ def write_json(path: str | Path, value: Any) -> None:
     write_atomic(path, lambda f: f.write(json.dumps(json_safe(value), indent=2).encode()))
 
 
+def run_folder(cfg: Any) -> tuple[Path, str | None]:
+    """Where a run writes: cfg.out_dir, unless it holds another run and cfg says neither resume nor overwrite;
+    then a new folder beside it, named for the dataset when that differs (out/x-mytext, out/x-2, ...), and a
+    note saying so."""
+    out = Path(cfg.out_dir)
+    if cfg.resume or cfg.overwrite or not ((out / "config.json").exists() or (out / CKPT_NAME).exists()):
+        return out, None
+    try:
+        theirs = json.loads((out / "config.json").read_text())["config"]["dataset"]
+    except (OSError, ValueError, KeyError, TypeError):
+        theirs = None
+    ours = Path(cfg.dataset.removeprefix("hf:").split(":")[0]).stem or "data"
+    base = out.name if theirs in (None, cfg.dataset) else f"{out.name}-{ours}"
+    name = next(n for n in (base, *(f"{base}-{i}" for i in range(2, 10**6)))
+                if n != out.name and not (out.parent / n).exists())
+    return out.parent / name, (f"{out} holds another run" + (f" (of {theirs})" if theirs else "") + f": this one "
+                               f"writes to {out.parent / name} (--resume continues that run, --overwrite replaces it)")
+
+
 def remove_partial_saves(out_dir: str | Path) -> None:
     """Delete temporary files of killed writes."""
     for tmp in Path(out_dir).glob(".*.tmp"):

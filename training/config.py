@@ -74,6 +74,7 @@ class TrainConfig:
     dtype: str = _f("auto", "autocast dtype (auto: bfloat16 where fast)", ("auto", "float32", "bfloat16", "float16"))
     compile: str = _f("auto", "torch.compile the model (auto = on for CUDA)", ("auto", "true", "false"))
     resume: bool = _f(False, "continue from out_dir/ckpt.pt")
+    overwrite: bool = _f(False, "replace the run in out_dir (default: a run there is kept; this one goes beside it)")
     peak_tflops: float = _f(0.0, "device peak TFLOP/s for MFU (0 = known GPUs only)", rule=">= 0")
 
     def __post_init__(self) -> None:

@@ -1,11 +1,10 @@
-"""One logging path: progress line, TensorBoard (scalars, sample, attention, HParams), clock, summary."""
+"""One logging path: progress line, TensorBoard (scalars, sample, attention, HParams), clock, summary.
+TensorBoard tags are grouped loss/, optim/, speed/: its alphabetical order opens on the losses."""
 
 import contextlib
-import json
 import math
 import sys
 import time
-import timeit
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,8 @@ from .evaluate import evaluating
 from .runtime import peak_memory_mb
 from .visualize import prompt_attention, render_attention
 
-HPARAMS = ("n_layer", "n_embd", "n_head", "block_size", "optimizer", "pos_emb", "learning_rate", "max_iters")
-METRICS = ("val/loss", "val/loss_exact", "train/loss")
+HPARAMS = ("n_layer", "n_embd", "block_size", "learning_rate", "max_iters")  # few: the metrics stay on screen
+METRICS = ("loss/val", "loss/val_exact", "loss/train")
 ATTENTION_CHARS = 32  # attention prompt length: 32 x 32 cells stay readable
 
 
@@ -47,7 +46,12 @@ def estimated_seconds(model: GPT, cfg: TrainConfig, start_step: int, n_val: int,
     """(run seconds, seconds per forward), timed on a zero batch (B, T)."""
     x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=device)
     with evaluating(model), autocast:
-        forward = min(timeit.repeat(lambda: model(x), number=1, repeat=2))  # the first warms up
+        model(x)  # warm-up
+        n, t0 = 0, time.perf_counter()
+        while n < 2 or time.perf_counter() - t0 < 0.25:  # a stretch, not one lucky time slice of a busy machine
+            model(x)
+            n += 1
+        forward = (time.perf_counter() - t0) / n
     steps = cfg.max_iters - start_step
     # a step costs 3 forwards (backward ~ 2), an eval 2 * eval_iters
     forwards = 3 * steps * cfg.gradient_accumulation_steps + 2 * (steps // cfg.eval_interval + 1) * cfg.eval_iters
@@ -75,7 +79,7 @@ class RunLog:
             self.writer = SummaryWriter(log_dir=cfg.out_dir, purge_step=initial)  # a resume replaces what it replays
             self.writer.file_writer.add_summary(hp.hparams_config_pb(
                 hparams=[hp.HParam(n) for n in HPARAMS], metrics=[hp.Metric(m) for m in METRICS]))
-            self.writer.file_writer.add_summary(hp.hparams_pb(json_safe(cfg.to_dict()), trial_id=cfg.out_dir))
+            self.writer.file_writer.add_summary(hp.hparams_pb(json_safe(cfg.to_dict()), trial_id=Path(cfg.out_dir).name))
 
     def line(self, text: str) -> None:
         """Print text above the bar."""
@@ -99,6 +103,7 @@ class RunLog:
         """After each step; at log steps (the only host reads) progress line and scalars."""
         self.steps += 1
         self.bar.update()
+        self.scalars(step, {"optim/lr": lr})  # every step: a sparse, smoothed lr draws humps the schedule lacks
         if not log:
             return
         loss_f, elapsed = loss.item(), self.train_seconds + time.perf_counter() - self._mark
@@ -111,11 +116,11 @@ class RunLog:
             self.bar.set_postfix_str(text, refresh=False)
         else:
             self.line(f"step {step:6d} | {text}")
-        scalars = {"train/loss": loss_f, "lr": lr, "tokens_per_second": tok_s}
+        scalars = {"loss/train": loss_f, "speed/tokens_per_second": tok_s}
         if self.peak is not None:
-            self.mfu = scalars["mfu"] = self.flops_per_token * tok_s / self.peak  # 0..1
+            self.mfu = scalars["speed/mfu"] = self.flops_per_token * tok_s / self.peak  # 0..1
         if grad_norm is not None:
-            scalars["grad_norm"] = grad_norm.item()
+            scalars["optim/grad_norm"] = grad_norm.item()
         self.scalars(step, scalars)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -127,7 +132,7 @@ class RunLog:
         """Log an eval's estimates; returns its history entry."""
         train, val = losses["train"], losses["val"]
         self.line(f"step {step}: train loss {train:.4f}, val loss {val:.4f} ({bpc(val):.3f} bpc)")
-        self.scalars(step, {"train/loss_estimate": train, "val/loss": val, "val/bpc": bpc(val)})
+        self.scalars(step, {"loss/train_estimate": train, "loss/val": val, "loss/val_bpc": bpc(val)})
         return {"step": step, "train_loss": train, "val_loss": val, "train_seconds": self.train_seconds,
                 "wall_seconds": time.perf_counter() - t_start}
 
@@ -149,20 +154,31 @@ class RunLog:
             self.writer.add_image(f"attention/layer_{layer}", image, step, dataformats="HWC")
 
     def finish(self, summary: dict, final_step: int, interrupted: str | None) -> None:
-        """Summary line, summary.json, exact val scalars, HParams session end."""
-        self.line("summary: " + json.dumps(json_safe({k: v for k, v in summary.items() if k != "history"})))
+        """The run in two lines (what it reached, where it is and how to sample it), summary.json, exact val
+        scalars, HParams session end."""
+        self.bar.close()  # first: no stale bar below the last lines
+        self.interactive = False
+        s, ckpt = summary, Path(self.cfg.out_dir) / "ckpt.pt"
+        speed = f" ({s['ms_per_step_median']:.1f} ms/step, {s['tokens_per_second']:,.0f} tok/s)" \
+            if s["ms_per_step_median"] and s["tokens_per_second"] else ""
+        head = f"{'stopped' if interrupted else 'done'}: {s['steps']} steps in {format_duration(s['wall_seconds'])}"
+        losses = [f"exact val loss {s['final_val_loss']:.4f} ({s['final_val_bpc']:.3f} bpc)"] \
+            if s["final_val_loss"] is not None else []
+        losses += [f"best val estimate {s['best_val_loss']:.4f}"] if math.isfinite(s["best_val_loss"]) else []
+        self.line(" | ".join([head + speed, *losses]))
+        self.line(f"checkpoint: {ckpt}; sample it: python sample.py --out_dir={self.cfg.out_dir}" if ckpt.exists()
+                  else "no checkpoint was saved")
         if self.enabled:
             write_json(Path(self.cfg.out_dir) / "summary.json", summary)
         if self.writer is not None:
             if summary["final_val_loss"] is not None:
-                self.scalars(final_step, {"val/loss_exact": summary["final_val_loss"],
-                                          "val/bpc_exact": summary["final_val_bpc"]})
+                self.scalars(final_step, {"loss/val_exact": summary["final_val_loss"],
+                                          "loss/val_bpc_exact": summary["final_val_bpc"]})
             if not interrupted:  # session end
                 from torch.utils.tensorboard.summary import hparams
 
                 self.writer.file_writer.add_summary(hparams({}, {})[2], final_step)
             self.writer.close()
-        self.bar.close()
 
     def summary(self, facts: dict, history: list[dict], **figures: Any) -> dict:
         """figures plus bpc, run facts and this process's throughput."""

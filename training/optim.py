@@ -58,7 +58,7 @@ def configure_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim
     optimizers = [torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                                     fused=device.type in ("cpu", "cuda"))]
     if muon:
-        ns_dtype = torch.bfloat16 if bf16_pays(device, 4 * cfg.n_embd, cfg.n_embd, min_work=0) else torch.float32
+        ns_dtype = torch.bfloat16 if bf16_pays(device, 4 * cfg.n_embd, cfg.n_embd, min_work=0)[0] else torch.float32
         optimizers.insert(0, Muon(muon, lr=cfg.muon_lr, momentum=cfg.muon_momentum, ns_dtype=ns_dtype))
     return optimizers
 

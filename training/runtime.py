@@ -1,17 +1,21 @@
 """Device, dtype, peak FLOP/s and the facts of a run."""
 
 import contextlib
-import functools
+import json
+import os
 import platform
 import re
 import resource
 import subprocess
 import sys
 import timeit
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy
 import torch
+
+from .checkpoint import write_json
 
 
 def resolve_device(name: str) -> torch.device:
@@ -26,31 +30,69 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-@functools.cache
+def reproducible_blas() -> None:
+    """MKL's gemm is bitwise reproducible only in its strict CNR mode: otherwise a result can depend on the
+    threads MKL takes at run time, i.e. on the machine's load. MKL reads this at its first call: call it first."""
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+
+def remembered(name: str, measure: Callable[[], float]) -> tuple[float, Path]:
+    """measure(), taken once per machine (CPU model, torch build, threads) and kept in
+    $XDG_CACHE_HOME/gpt-char/probes.json, so a decision never flips on one noisy timing; (value, that file)."""
+    path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-char" / "probes.json"
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
+    key = f"{cpu or platform.processor()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {name}"
+    try:
+        probes = json.loads(path.read_text())
+    except (OSError, ValueError):
+        probes = {}
+    if key not in probes:
+        probes[key] = measure()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, probes)
+        except OSError:  # a read-only home: measured at every start instead
+            pass
+    return probes[key], path
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def cpu_bf16_speedup(rows: int, width: int) -> float:
-    """bf16 over fp32 speedup of (min(rows, 1024), width) @ (width, 4 width) on this CPU, timed once."""
+    """bf16 over fp32 speedup of (min(rows, 1024), width) @ (width, 4 width) on this CPU: the best of 5 runs of
+    each, interleaved, so a load that comes and goes slows both alike."""
     gen = torch.Generator().manual_seed(0)  # not the global RNG: runs draw as before
     x, w = torch.randn(min(rows, 1024), width, generator=gen), torch.randn(4 * width, width, generator=gen)
+    pairs = [(x, w), (x.bfloat16(), w.bfloat16())]
+    times: list[list[float]] = [[], []]
+    for _ in range(6):  # the first round warms up
+        for i, (a, b) in enumerate(pairs):
+            times[i].append(timeit.timeit(lambda a=a, b=b: torch.nn.functional.linear(a, b), number=2))
+    return min(times[0][1:]) / min(times[1][1:])
 
-    def seconds(a: torch.Tensor, b: torch.Tensor, runs: int) -> float:  # best after warm-up
-        return min(timeit.repeat(lambda: torch.nn.functional.linear(a, b), number=1, repeat=runs + 1)[1:])
 
-    return seconds(x, w, 3) / seconds(x.bfloat16(), w.bfloat16(), 2)
-
-
-def bf16_pays(device: torch.device, rows: int, width: int, min_work: int = 2 ** 16) -> bool:
-    """Whether (rows, width) @ (width, 4 width) matmuls are clearly faster in bf16 on device."""
+def bf16_pays(device: torch.device, rows: int, width: int, min_work: int = 2 ** 16) -> tuple[bool, str]:
+    """Whether (rows, width) @ (width, 4 width) matmuls are clearly faster in bf16 on device, and why."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    # CPU: needs native bf16 (AMX, AVX512-BF16) and matmuls big enough to amortise the casts
-    return device.type == "cpu" and rows * width >= min_work and cpu_bf16_speedup(rows, width) >= 1.5
+        return torch.cuda.is_bf16_supported(), "CUDA"
+    if device.type != "cpu" or rows * width < min_work:
+        return False, "matmuls too small for bf16 to pay" if device.type == "cpu" else device.type
+    # CPU: needs native bf16 (AMX, AVX512-BF16), measured once per machine and shape
+    speedup, where = remembered(f"bf16 speedup {min(rows, 1024)}x{width}", lambda: cpu_bf16_speedup(rows, width))
+    return speedup >= 1.5, f"bf16 {speedup:.2f}x float32 on this CPU, measured once: {where.as_posix()}"
 
 
-def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int]) -> torch.dtype:
-    """'auto' -> bfloat16 where bf16_pays for matmul = (batch_size * block_size, n_embd), else float32."""
+def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int]) -> tuple[torch.dtype, str]:
+    """'auto' -> bfloat16 where bf16_pays for matmul = (batch_size * block_size, n_embd), else float32; and why."""
     if name == "auto":
-        return torch.bfloat16 if bf16_pays(device, *matmul) else torch.float32
-    return getattr(torch, name)
+        pays, why = bf16_pays(device, *matmul)
+        return (torch.bfloat16 if pays else torch.float32), f"auto: {why}"
+    return getattr(torch, name), "as configured"
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:

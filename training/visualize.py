@@ -45,8 +45,8 @@ class Layout:
 
 
 def layout_for(n_rows: int, n_cols: int, T: int) -> Layout:
-    """Geometry: ~450 px per tile, 2..14 px cells."""
-    cell = max(2, min(14, 448 // T))
+    """Geometry: ~450-512 px per tile, 2..14 px cells (8 up to T = 64: labelled)."""
+    cell = max(2, min(14, 512 // T))
     return Layout(T=T, rows=n_rows, cols=n_cols, cell=cell, label=max(cell, 16) if cell >= 8 else 0)
 
 
