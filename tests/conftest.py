@@ -10,7 +10,9 @@ import sys
 import tempfile
 
 import pytest
-import torch
+
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # MKL's mode as train.py and sample.py set it (runtime.py)
+import torch  # noqa: E402
 
 # Tests are about exactness, not speed: one thread keeps float results reproducible and leaves the other
 # core to the subprocesses some tests start.

@@ -67,7 +67,7 @@ def test_two_ranks_end_with_the_weights_of_one_process_replaying_both_ranks_batc
 def test_only_rank_zero_logs_and_writes_a_checkpoint_of_the_unwrapped_model(two_ranks):
     cfg, stdout, ckpt = two_ranks
     assert sorted(os.listdir(cfg.out_dir)) == ["ckpt.pt", "config.json", "summary.json"]
-    assert stdout.count("| 2 processes") == 1 and stdout.count("summary: ") == 1
+    assert stdout.count("| 2 processes") == 1 and stdout.count("checkpoint: ") == 1
     assert [stdout.count(f"step {s}: train loss") for s in (0, 3, 6)] == [1, 1, 1]
     assert not [k for k in ckpt["model"] if k.startswith(("module.", "_orig_mod."))]
     model_from_checkpoint(ckpt)  # strict load_state_dict: every key is the plain GPT's
