@@ -11,6 +11,7 @@ import ast
 import errno
 import os
 import shutil
+import signal
 import struct
 import zipfile
 from pathlib import Path
@@ -110,6 +111,50 @@ def test_a_resumed_run_keeps_the_dtype_auto_chose_at_its_start(tmp_path, monkeyp
     assert whole["dtype"] == resumed["dtype"] == "bfloat16" and forced["dtype"] == "float32"
     a, b, c = (load_checkpoint(tmp_path / name / CKPT_NAME)["model"] for name in ("whole", "split", "forced"))
     assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_a_worse_estimate_never_replaces_the_best_checkpoint_even_after_a_resume_between_evals(tmp_path,
+                                                                                                monkeypatch):
+    """Estimates 2.0, 1.0 | 1.5, 0.5 at steps 0, 2 | 4, 6, the run stopped by Ctrl-C in step 2 (saved at step 3,
+    not an eval step) and resumed: the best stays 1.0 across the resume, so step 4's 1.5 writes nothing, and
+    ckpt.pt is written at steps 2, 3 (the stop) and 6, ending with best_val_loss 0.5."""
+    values, saves, get_batch = iter([2.0, 1.0, 1.5, 0.5]), [], train.get_batch
+    real_save = train.checkpoint.save_checkpoint
+    monkeypatch.setattr(train, "estimate_loss", lambda *a, **k: dict.fromkeys(("train", "val"), next(values)))
+    monkeypatch.setattr(train.checkpoint, "save_checkpoint", lambda path, state: saves.append(state["step"]) or
+                        real_save(path, state))
+    calls = []
+
+    def batch_then_ctrl_c(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 3:  # step 2's batch
+            signal.raise_signal(signal.SIGINT)
+        return get_batch(*args, **kwargs)
+
+    cfg = tiny_config(tmp_path, max_iters=6, eval_interval=2, lr_decay_iters=6, exact_val=False)
+    previous = signal.signal(signal.SIGINT, lambda *_: None)  # unarmed guard: the run fails, not the session
+    try:
+        with monkeypatch.context() as mp:
+            mp.setattr(train, "get_batch", batch_then_ctrl_c)
+            assert train.train(cfg, verbose=False)["interrupted"] == "SIGINT"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    summary = train.train(cfg.replace(resume=True), verbose=False)
+    assert saves == [2, 3, 6], f"checkpoints written at steps {saves}"
+    assert summary["best_val_loss"] == load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)["best_val_loss"] == 0.5
+
+
+def test_resume_trains_on_with_the_dropout_given_on_its_command_line(tmp_path):
+    """--resume --dropout=0.5 after a run without dropout: the resumed run drops at 0.5 (its checkpoint says
+    so, and its weights differ from a resume at 0.0)."""
+    cfg = config(tmp_path, "run", dropout=0.0, max_iters=K)
+    train.train(cfg, verbose=False)
+    shutil.copytree(tmp_path / "run", tmp_path / "same")
+    train.train(cfg.replace(resume=True, max_iters=N, dropout=0.5), verbose=False)
+    train.train(cfg.replace(resume=True, max_iters=N, out_dir=str(tmp_path / "same")), verbose=False)
+    a, b = (load_checkpoint(tmp_path / name / CKPT_NAME) for name in ("run", "same"))
+    assert a["model_config"]["dropout"] == 0.5 and b["model_config"]["dropout"] == 0.0
+    assert any(not torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
 def plain(x) -> bool:

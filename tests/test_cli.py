@@ -14,14 +14,17 @@ import tomllib
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+import model.gpt
 import sample
 import train
 from tiny import ROOT, TEXT, tiny_config
 from training import CKPT_NAME, TrainConfig
+from training.visualize import HIGH
 
 CPU_FAST = ROOT / "configs" / "shakespeare_char_cpu_fast.toml"
 DASHES = "\n" + "-" * 40 + "\n"
@@ -268,6 +271,33 @@ def test_num_samples_are_separated_by_a_dashed_line(runs, capsys):
     parts = out.removesuffix("\n").split(DASHES)
     assert code == 0 and out.endswith("\n") and len(parts) == 3
     assert all(p.startswith("ROMEO:") and len(p) == len("ROMEO:") + 10 for p in parts), parts
+
+
+def test_num_samples_gives_different_texts_and_top_k_0_means_every_token(runs, capsys, monkeypatch):
+    """Three samples from one generator are three texts; --top_k=0 hands sample_next no top-k (all tokens), as
+    --help says, and --top_k=5 hands it 5."""
+    code, out, _ = run_sample(capsys, f"--ckpt={runs[1]['a_new']}", "--max_new_tokens=40", "--num_samples=3")
+    assert code == 0 and len(set(out.removesuffix("\n").split(DASHES))) == 3
+    seen, real = [], model.gpt.sample_next
+    monkeypatch.setattr(model.gpt, "sample_next", lambda logits, *args: seen.append(args[1]) or real(logits, *args))
+    for top_k, want in (("0", None), ("5", 5)):
+        seen.clear()
+        assert run_sample(capsys, f"--ckpt={runs[1]['a_new']}", "--max_new_tokens=3", f"--top_k={top_k}")[0] == 0
+        assert seen == [want] * 3, (top_k, seen)
+
+
+def test_an_sdpa_trained_run_draws_its_attention_maps_in_tensorboard_and_in_sample_py(tmp_path, capsys):
+    """The maps need the weights, which sdpa does not return: both the eval snapshots and --attention_png still
+    draw them for an sdpa run (every layer, blue cells where a query reads)."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    cfg = tiny_config(tmp_path, attn_backend="sdpa", max_iters=2, eval_interval=2, sample_tokens=0, exact_val=False)
+    assert run_train(capsys, argv_for(cfg))[0] == 0
+    acc = ea.EventAccumulator(cfg.out_dir, size_guidance={ea.IMAGES: 0}).Reload()
+    assert set(acc.Tags()["images"]) == {f"attention/layer_{layer}" for layer in range(cfg.n_layer)}
+    assert run_sample(capsys, f"--out_dir={cfg.out_dir}", "--prompt=ROMEO:", "--attention_png")[0] == 0
+    pixels = np.asarray(Image.open(Path(cfg.out_dir) / "attention.png").convert("RGB"))
+    assert ((pixels == HIGH).all(-1) | (pixels[..., 2] > pixels[..., 0] + 60)).sum() > 100  # blue: weights drawn
 
 
 def test_attention_png_goes_to_out_dir_without_a_value_and_to_the_path_given(runs, tmp_path, capsys):

@@ -4,6 +4,7 @@ model's own contracts (config, init, loss, generation windows, rotary positions,
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -95,9 +96,36 @@ def test_attention_dropout_zeroes_normalised_weights_with_probability_p_and_resc
     assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n), f"kept {frac:.4f} of the weights, not {1 - p}"
     se = w * math.sqrt(p / (1 - p) / draws)  # per weight: sd of w * keep / (1 - p), over sqrt(draws)
     assert ((outs.mean(0) - w).abs() <= 5 * se + 1e-12).all(), "dropout is biased: the mean is not the weights"
+    # whole weights, each query's own draw: dropping entries of V instead would drop a key for every query at once
+    assert (kept[..., 4, :4] != kept[..., 5, :4]).any(), "dropout acts on V, not on each query's weights"
     # positive control: the same tolerances tell p = 0.3 from p = 0.2 apart
     other, _ = dropped_weights(0.2, draws)
     assert abs((other[..., allowed] != 0).double().mean().item() - (1 - p)) > 5 * math.sqrt(p * (1 - p) / n)
+    q, k, v = (torch.randn(2, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    returned = attention(q, k, v, causal_mask(6, 6), dropout_p=0.5)[1]  # what the maps draw, in train mode too
+    assert torch.equal(returned, attention(q, k, v, causal_mask(6, 6))[1]), "attention() returns dropped weights"
+
+
+@pytest.mark.parametrize("module", ["attn", "mlp"])
+def test_the_output_projections_drop_at_rate_p_in_train_mode_only(module):
+    """x + dropout(attn.proj(...)) and x + dropout(mlp.proj(...)): each output entry is kept with probability
+    1 - p and then equals the projection / (1 - p); in eval mode the output is the projection itself."""
+    torch.manual_seed(0)
+    model, p = GPT(tiny(n_embd=64, dropout=0.3)), 0.3
+    block = model.blocks[0]
+    sub, seen = getattr(block, module), []
+    sub.proj.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    x = torch.randn(8, 12, 64)
+    for training in (True, False):
+        seen.clear()
+        out = sub.train(training)(block.ln_1(x), additive_mask(causal_mask(12, 12))) if module == "attn" else \
+            sub.train(training)(x)
+        if not training:
+            assert torch.equal(out, seen[0]), f"{module}: dropout acts in eval mode"
+            continue
+        kept = out != 0
+        assert abs(kept.double().mean().item() - (1 - p)) < 0.02, f"{module}: kept {kept.double().mean():.3f}, not 0.7"
+        torch.testing.assert_close(out[kept], seen[0][kept] / (1 - p))
 
 
 def _paths(model, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -153,11 +181,17 @@ def test_a_model_config_refusal_names_the_field_and_the_value(kwargs, match):
 
 
 def test_the_head_is_tied_to_the_embedding_and_residual_projections_start_smaller():
+    """Every residual projection (attn.proj and mlp.proj of every block) starts at std 0.02 / sqrt(2 n_layer),
+    every other matrix at 0.02, biases at 0: GPT-2's init, each parameter pinned by its own check."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=8, n_head=4, n_embd=256))
+    model = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=8, n_head=4, n_embd=256, bias=True))
     assert model.lm_head.weight is model.tok_emb.weight
-    assert model.blocks[0].attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
-    assert model.blocks[0].mlp.fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    for name, w in model.named_parameters():
+        if name.endswith(".bias"):
+            assert (w == 0).all(), name
+        elif w.dim() == 2:
+            want = 0.02 / math.sqrt(16) if name.endswith("proj.weight") else 0.02
+            assert w.std().item() == pytest.approx(want, rel=0.05), name
     x, y = torch.randint(50, (2, 8, 8))
     assert abs(model(x, y)[1].item() - math.log(50)) < 0.1  # the initial loss is about ln V
 
@@ -260,6 +294,12 @@ def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention
     model = GPT(tiny(pos_emb="rope")).eval()  # a model cast with .to(dtype) keeps its positions
     idx = torch.randint(11, (2, 12))
     torch.testing.assert_close(model.to(torch.float64)(idx)[0], model.double()(idx)[0], rtol=0, atol=0)
+    want = model.float()(idx)[0]
+    for dtype in (torch.bfloat16, torch.float16):  # and runs in half precision without autocast, cache included
+        half = copy.deepcopy(model).to(dtype)
+        logits = half(idx)[0]
+        assert logits.dtype == dtype and (logits.float() - want).abs().max() < 0.05, dtype
+        assert half.generate(idx[:, :3], 5).shape == (2, 8)
 
 
 def test_flops_per_token_is_six_per_weight_plus_the_attention_term():

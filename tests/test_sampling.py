@@ -11,6 +11,7 @@ import torch
 
 from model import sample_next
 
+pytestmark = pytest.mark.mask  # sample_next lives in model/gpt.py: in the mask command
 V = 7
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.plugins.hparams import api_pb2, metadata
@@ -80,11 +81,12 @@ def test_scalars_are_written_at_every_step_and_every_eval(run):
     cfg, acc = run
     every, evals = range(cfg.max_iters), sorted({*range(0, cfg.max_iters, cfg.eval_interval), cfg.max_iters})
     last = [cfg.max_iters]
-    expected = {"loss/train": every, "optim/lr": every, "optim/grad_norm": every, "speed/tokens_per_second": every, "loss/val": evals,
-                "loss/train_estimate": evals, "loss/val_bpc": evals, "loss/val_exact": last, "loss/val_bpc_exact": last}
+    expected = {"loss/train": every, "optim/lr": every, "optim/grad_norm": every, "speed/tokens_per_second": every,
+                "loss/val": evals, "loss/train_estimate": evals, "loss/val_bpc": evals, "loss/val_exact": last,
+                "loss/val_bpc_exact": last}
     for tag, want in expected.items():
         assert steps(acc, tag) == list(want), tag
-    assert all(math.isclose(e.value, lr_at(e.step, cfg), rel_tol=1e-6) for e in acc.Scalars("optim/lr"))  # its own step's
+    assert all(math.isclose(e.value, lr_at(e.step, cfg), rel_tol=1e-6) for e in acc.Scalars("optim/lr"))  # its step's
 
 
 def test_bits_per_character_are_the_loss_over_ln_2(run):
@@ -159,3 +161,16 @@ def test_a_resumed_run_leaves_one_point_per_step(resumed):
 def test_the_fast_cpu_recipe_evaluates_at_least_8_times(run):
     assert RECIPE.max_iters // RECIPE.eval_interval + 1 >= 8
     assert len(steps(run[1], "loss/val")) >= 8  # the tiny run at the recipe's eval_interval / max_iters
+
+
+def test_the_text_sample_draws_from_its_own_generator_so_the_weights_do_not_depend_on_it(tmp_path):
+    """With dropout (training draws from the global RNG), a run with TensorBoard and a 24-character sample at every
+    eval, one with no sample and one with no TensorBoard end with the same weights, bit for bit."""
+    weights = []
+    for name, extra in (("sample", dict(sample_tokens=24)), ("no_sample", dict(sample_tokens=0)),
+                        ("no_tensorboard", dict(tensorboard=False))):
+        cfg = tiny_config(tmp_path, out_dir=str(tmp_path / name), dropout=0.2, max_iters=4, eval_interval=2, **extra)
+        with QUIET:
+            train.train(cfg)
+        weights.append(torch.load(Path(cfg.out_dir) / CKPT_NAME, weights_only=True)["model"])
+    assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in w)

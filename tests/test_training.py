@@ -105,10 +105,11 @@ def recorded_steps(monkeypatch) -> list[dict]:
 QUICK = dict(exact_val=False, tensorboard=False, eval_interval=100)
 
 
-def test_float16_training_unscales_the_gradients_before_it_clips_them(tmp_path, monkeypatch):
-    """float16 turns the GradScaler on; clipping must see the true gradients, unscaled first: the norms it
-    measures match float32's, and the optimizer gets norms of exactly grad_clip. A clip before the unscale
-    measures 65536x the norm (the fused optimizer then unscales grad_clip to grad_clip / 65536)."""
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_float16_training_unscales_the_gradients_before_it_clips_them(tmp_path, monkeypatch, optimizer):
+    """float16 turns the GradScaler on; clipping must see the true gradients of every optimizer, unscaled first:
+    the norms it measures match float32's, and the optimizers get norms of exactly grad_clip. A clip before the
+    unscale (or after unscaling one optimizer's) measures 65536x the norm."""
     steps, clipped = recorded_steps(monkeypatch), []
     real_clip = torch.nn.utils.clip_grad_norm_
 
@@ -120,7 +121,7 @@ def test_float16_training_unscales_the_gradients_before_it_clips_them(tmp_path, 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     for dtype in ("float32", "float16"):
         train.train(tiny_config(tmp_path, out_dir=str(tmp_path / dtype), dtype=dtype, max_iters=4, grad_clip=0.05,
-                                **QUICK), verbose=False)
+                                optimizer=optimizer, **QUICK), verbose=False)
     assert len(steps) == 8, "the scaler skipped steps (an overflow at its initial scale?)"
     assert [s["norm"] for s in steps] == pytest.approx([0.05] * 8, rel=1e-3)
     assert clipped[4:] == pytest.approx(clipped[:4], rel=0.05), "float16 clipped other norms than float32"
@@ -301,12 +302,19 @@ def test_the_exact_val_loss_scores_every_target_for_every_split_length_modulo_bl
 
 
 def test_an_estimate_is_the_same_however_its_batches_are_grouped_and_puts_the_mode_back():
-    """7 batches in groups of 3 end with a group of 1, which must weigh as one batch; a failing evaluation
-    still puts a training model back in training mode."""
+    """7 batches in groups of 3 end with a group of 1, which must weigh as one batch; both evaluations leave the
+    model in the mode they found it in, train or eval, even when they fail."""
     model = C.leak_test_model("manual").float().train()
     data = {"val": torch.from_numpy(np.random.default_rng(0).integers(0, 13, 300))}
     ests = [estimate_loss(model, data, 3, 10, 7, 0, "cpu", batches_per_forward=n)["val"] for n in (1, 3, 7)]
     assert ests == pytest.approx([ests[0]] * 3, rel=1e-6)
+    for mode in (True, False):
+        model.train(mode)
+        estimate_loss(model, data, 3, 10, 1, 0, "cpu")
+        assert model.training == mode, f"an estimate left a model in {'train' if mode else 'eval'} mode otherwise"
+        exact_loss(model, data["val"], 10, 4, "cpu")
+        assert model.training == mode, f"exact_loss left a model in {'train' if mode else 'eval'} mode otherwise"
+    model.train()
     with pytest.raises(RuntimeError), evaluating(model):
         raise RuntimeError
     assert model.training

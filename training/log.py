@@ -79,7 +79,8 @@ class RunLog:
             self.writer = SummaryWriter(log_dir=cfg.out_dir, purge_step=initial)  # a resume replaces what it replays
             self.writer.file_writer.add_summary(hp.hparams_config_pb(
                 hparams=[hp.HParam(n) for n in HPARAMS], metrics=[hp.Metric(m) for m in METRICS]))
-            self.writer.file_writer.add_summary(hp.hparams_pb(json_safe(cfg.to_dict()), trial_id=Path(cfg.out_dir).name))
+            self.writer.file_writer.add_summary(hp.hparams_pb(json_safe(cfg.to_dict()),
+                                                              trial_id=Path(cfg.out_dir).name))
 
     def line(self, text: str) -> None:
         """Print text above the bar."""
