@@ -119,10 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each path; the fastest counts")
     p.add_argument("--backend", default="sdpa", choices=("manual", "sdpa"), help="attention backend")
     p.add_argument("--small", action="store_true", help="a tiny model (block 64), for a smoke test of the script")
+    p.add_argument("--cpu_fast", action="store_true", help="the fast CPU recipe's shape (2 x 4 x 96, block 64)")
     p.add_argument("--window", type=int, default=0, help="W >= 1: the rolling-cache measurement (see above)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
-    size = dict(n_layer=2, n_head=2, n_embd=32, block_size=64) if args.small else {}
+    size = dict(n_layer=2, n_head=2, n_embd=32, block_size=64) if args.small else \
+        dict(n_layer=2, n_head=4, n_embd=96, block_size=64) if args.cpu_fast else {}
     for name in ("repeats", "new_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)

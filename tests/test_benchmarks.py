@@ -39,6 +39,9 @@ def test_bench_trains_a_config_and_reports_its_figures(tmp_path, capsys):
 def test_kv_cache_benchmark_finds_identical_tokens(capsys):
     figures = kv_cache.run(new_tokens=20, repeats=1, n_layer=1, n_head=2, n_embd=16, block_size=16)
     assert figures["identical_tokens"] and figures["cached_tokens_per_second"] > 0
+    rolling = kv_cache.rolling(window=4, n_layer=1, n_head=2, n_embd=16, block_size=16)
+    assert rolling["identical_tokens_4_blocks"] and [s["blocks"] for s in rolling["stretches"]] == [1, 4, 16]
+    assert len({s["cache_bytes"] for s in rolling["stretches"]}) == 1  # the same memory at 1, 4 and 16 blocks
 
 
 def test_summarize_turns_ablation_rows_into_a_table(tmp_path, capsys):

@@ -330,3 +330,17 @@ def test_train_py_puts_mkl_in_its_strict_reproducible_mode_before_its_first_matm
                          text=True, timeout=120).stdout
     modes = set(re.findall(r"CNR:(\S+)", out))
     assert modes == {"AUTO,STRICT"}, modes
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.toml")
+                                          if 'device = "cpu"' in p.read_text()))
+def test_every_cpu_config_trains_with_a_window_and_samples_past_block_size_from_it(config, tmp_path, capsys):
+    corpus = Path(tiny_config(tmp_path).dataset)
+    out = tmp_path / "windowed"
+    argv = [str(ROOT / "configs" / config), f"--dataset={corpus}", "--attn_window=8", "--batch_size=2",
+            "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--exact_val=false", "--tensorboard=false",
+            f"--out_dir={out}"]
+    assert run_train(capsys, argv)[0] == 0
+    assert torch.load(out / CKPT_NAME, weights_only=True)["model_config"]["attn_window"] == 8
+    code, text, _ = run_sample(capsys, f"--out_dir={out}", "--prompt=ROMEO:", "--max_new_tokens=150")
+    assert code == 0 and len(text) == len("ROMEO:") + 150 + 1
