@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import training.checkpoint as checkpoint
-from data import check_split_sizes, get_batch, load_corpus
+from data import SEPARATOR, check_split_sizes, get_batch, load_corpus
 from model import GPT
 from training import Stopped, estimate_loss, exact_loss, help_text, parse_args, set_lr
 from training.distributed import close_distributed, init_distributed, launched_by_torchrun
@@ -42,10 +42,13 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
     try:
         # --- checks that can fail, before writing to out_dir ---
         micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank, same global batch
-        corpus = load_corpus(cfg.dataset, cfg.split, cfg.text_column)
+        corpus = load_corpus(cfg.dataset, cfg.split, cfg.text_column, cfg.documents)
         check_split_sizes(corpus, cfg.block_size)
         tok = corpus.tokenizer
-        model_cfg = cfg.model_config(tok.vocab_size)
+        if cfg.doc_mask and SEPARATOR not in tok.stoi:
+            raise ValueError(f"doc_mask=true needs documents, and {corpus.name} is one text: give --documents=lines "
+                             "(or paragraphs), a folder of files or an hf: dataset")
+        model_cfg = cfg.model_config(tok.vocab_size, tok.stoi[SEPARATOR] if cfg.doc_mask else None)
         ckpt = checkpoint.checkpoint_to_resume(cfg, model_cfg, tok, device) if cfg.resume else None
         if ckpt and cfg.dtype == "auto" and ckpt["config"].get("dtype", "auto") != "auto":
             dtype, dtype_why = getattr(torch, ckpt["config"]["dtype"]), "the run's own, from its checkpoint"

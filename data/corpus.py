@@ -80,9 +80,9 @@ def encode_corpus(text: str, name: str) -> Corpus:
     return Corpus(ids[:n_train], ids[n_train:], tok, name)
 
 
-def load_corpus(dataset: str, split: str = "", text_column: str = "") -> Corpus:
+def load_corpus(dataset: str, split: str = "", text_column: str = "", documents: str = "") -> Corpus:
     """encode_corpus(load_text(...))."""
-    return encode_corpus(*load_text(dataset, split, text_column))
+    return encode_corpus(*load_text(dataset, split, text_column, documents))
 
 
 def check_split_sizes(corpus: Corpus, block_size: int) -> None:

@@ -1,15 +1,26 @@
-"""Text sources: bundled Tiny Shakespeare, a UTF-8 file, a folder of .txt files or `hf:NAME[:SPLIT]`."""
+"""Text sources: a bundled corpus, a UTF-8 file, a folder of .txt files or `hf:NAME[:SPLIT]`; and documents.
+
+A corpus of documents (a folder's files, an hf: dataset's rows, or a file's lines or paragraphs when asked) is one
+string in which SEPARATOR opens every document, so none is glued to the next.
+"""
 
 import glob
 import hashlib
 import os
+import re
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlparse
 
-# bundled (public domain): the default corpus needs no network
-SHAKESPEARE = Path(__file__).resolve().parent.parent / "corpora" / "tinyshakespeare.txt"
-SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+# bundled, public domain, checked by sha256: no network needed
+CORPORA = Path(__file__).resolve().parent.parent / "corpora"
+BUNDLED = {"shakespeare_char": ("tinyshakespeare.txt", "Tiny Shakespeare",
+                                "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"),
+           "surnames": ("surnames.txt", "US surnames (1990 census)",
+                        "8e7bcf64c3bc12e912d6b347d8c26338c90d91cb6d269cf654f16ba61acaa0e1")}
+SEPARATOR = "\x1e"  # ASCII's record separator: in no ordinary text
+DOCUMENTS = ("", "lines", "paragraphs")
 HF_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
 SPLIT_ORDER = {"train": 0, "validation": 1, "test": 2}  # so val, the last 10 %, is held out
 
@@ -23,24 +34,51 @@ def decode_utf8(raw: bytes, name: str) -> str:
                          f"Convert it first, e.g. iconv -f latin1 -t utf-8 {name} > {name}.utf8") from None
 
 
-def load_text(dataset: str, split: str = "", text_column: str = "") -> tuple[str, str]:
-    """(text, name) of dataset; a folder gives its non-hidden .txt files, sorted."""
-    if dataset == "shakespeare_char":
-        raw = SHAKESPEARE.read_bytes()
-        if hashlib.sha256(raw).hexdigest() != SHAKESPEARE_SHA256:
-            raise ValueError(f"{SHAKESPEARE} is not Tiny Shakespeare (sha256 differs): git checkout -- {SHAKESPEARE}")
-        return raw.decode("utf-8"), "Tiny Shakespeare"
-    if dataset.startswith("hf:"):
-        return hf_text(dataset[3:], split, text_column)
-    path = Path(dataset).expanduser()
-    if path.is_file():
-        return decode_utf8(path.read_bytes(), str(path)), str(path)
-    if path.is_dir():
-        files = sorted(path / f for f in glob.glob("**/*.txt", root_dir=path, recursive=True) if (path / f).is_file())
-        if not files:
-            raise ValueError(f"folder {path} contains no .txt files")
-        return "".join(decode_utf8(f.read_bytes(), str(f)) for f in files), f"{path} ({len(files)} .txt files)"
-    raise ValueError(f"dataset={dataset!r} is neither 'shakespeare_char', 'hf:NAME', an existing file nor a folder")
+def join_documents(docs: Iterable[str], name: str) -> str:
+    """SEPARATOR + each non-empty document, in order; a document holding SEPARATOR is refused."""
+    docs = [d for d in docs if d]
+    bad = next((i for i, d in enumerate(docs) if SEPARATOR in d), None)
+    if bad is not None:
+        raise ValueError(f"{name}: document {bad} contains U+001E, the document separator; remove it first, e.g. "
+                         f"tr -d '\\036' < FILE > FILE.clean")
+    return "".join(SEPARATOR + d for d in docs)
+
+
+def split_documents(text: str, documents: str) -> list[str]:
+    """text as documents: one per line ("lines") or blank-line-separated block ("paragraphs")."""
+    return text.splitlines() if documents == "lines" else [p.strip("\n") for p in re.split(r"\n[ \t]*\n", text)]
+
+
+def load_text(dataset: str, split: str = "", text_column: str = "", documents: str = "") -> tuple[str, str]:
+    """(text, name) of dataset. A folder (its non-hidden .txt files, sorted) and an hf: dataset (its rows) are
+    documents; `documents` splits a file (or each document) further. A single file without it: its text as is."""
+    if dataset in BUNDLED:
+        file, name, sha256 = BUNDLED[dataset]
+        raw = (CORPORA / file).read_bytes()
+        if hashlib.sha256(raw).hexdigest() != sha256:
+            raise ValueError(f"{CORPORA / file} is not the bundled {name} (sha256 differs): git checkout -- "
+                             f"{CORPORA / file}")
+        texts, is_docs = [raw.decode("utf-8")], False
+    elif dataset.startswith("hf:"):
+        texts, name = hf_text(dataset[3:], split, text_column)
+        is_docs = True
+    else:
+        path = Path(dataset).expanduser()
+        if path.is_file():
+            texts, name, is_docs = [decode_utf8(path.read_bytes(), str(path))], str(path), False
+        elif path.is_dir():
+            files = sorted(path / f for f in glob.glob("**/*.txt", root_dir=path, recursive=True)
+                           if (path / f).is_file())
+            if not files:
+                raise ValueError(f"folder {path} contains no .txt files")
+            texts, name, is_docs = [decode_utf8(f.read_bytes(), str(f)) for f in files], \
+                f"{path} ({len(files)} .txt files)", True
+        else:
+            raise ValueError(f"dataset={dataset!r} is neither one of {', '.join(BUNDLED)}, 'hf:NAME', an existing file "
+                             "nor a folder")
+    if documents:
+        texts, is_docs = [d for t in texts for d in split_documents(t, documents)], True
+    return (join_documents(texts, name) if is_docs else texts[0]), name
 
 
 def hub_reachable() -> bool:
@@ -53,8 +91,9 @@ def hub_reachable() -> bool:
         return False
 
 
-def hf_text(spec: str, split: str, text_column: str) -> tuple[str, str]:
-    """Text column of a save_to_disk folder, data file(s) or hub id; all splits in SPLIT_ORDER unless one."""
+def hf_text(spec: str, split: str, text_column: str) -> tuple[list[str], str]:
+    """Rows of the text column of a save_to_disk folder, data file(s) or hub id, and a name; all splits in
+    SPLIT_ORDER unless one."""
     name, _, spec_split = spec.partition(":")
     if split and spec_split and split != spec_split:
         raise ValueError(f"dataset=hf:{spec} names split {spec_split!r} but config field split={split!r}")
@@ -64,7 +103,8 @@ def hf_text(spec: str, split: str, text_column: str) -> tuple[str, str]:
         os.environ["HF_HUB_OFFLINE"] = "1"  # read on import: cache only, not 20 s of retries
     import datasets
 
-    options = {"keep_linebreaks": True} if path.suffix == ".txt" or path.is_dir() and any(path.rglob("*.txt")) else {}
+    # a .txt file is one document (one row), as the plain file and folder loaders read it
+    options = {"sample_by": "document"} if path.suffix == ".txt" or path.is_dir() and any(path.rglob("*.txt")) else {}
     try:
         if (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
             ds = datasets.load_from_disk(str(path))
@@ -89,4 +129,4 @@ def hf_text(spec: str, split: str, text_column: str) -> tuple[str, str]:
     column = text_column or ("text" if "text" in strings else strings[0] if len(strings) == 1 else None)
     if column not in strings:
         raise ValueError(f"hf:{name}: set text_column to one of its string columns {strings} (now {text_column!r})")
-    return "".join(t for t in ds[column] if t is not None), f"hf:{name}" + (f":{split}" if split else "")
+    return [t for t in ds[column] if t is not None], f"hf:{name}" + (f":{split}" if split else "")

@@ -13,17 +13,27 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def visible(q_pos: Tensor, k_pos: Tensor, window: int = 0) -> Tensor:
+def visible(q_pos: Tensor, k_pos: Tensor, window: int = 0, q_doc: Tensor | None = None,
+            k_doc: Tensor | None = None) -> Tensor:
     """Whether the query at absolute position q_pos may read the key at k_pos: bool, the broadcast shape.
 
     A predicate of positions (FlexAttention's mask_mod), composed with & and |. Causal: no key after the query.
     window W >= 1: nor any W or more positions back, so a query reads itself and the W - 1 keys before it (W keys,
     as torchtitan and modded-nanogpt count; FlashAttention's window_size=(W - 1, 0)). 0: every earlier key.
+    Documents (q_doc, k_doc: ids from `documents`): nor any key of another document.
     """
     allowed = k_pos <= q_pos
     if window:
         allowed = allowed & (k_pos > q_pos - window)
+    if q_doc is not None:
+        allowed = allowed & (q_doc == k_doc)
     return allowed
+
+
+def documents(tokens: Tensor, sep: int, first: Tensor | int = 0) -> Tensor:
+    """Document ids (B, T) of tokens (B, T): a separator opens its document, so it reads nothing of the one before
+    (it predicts the next document's first character from nothing else). first: the id before tokens[:, 0]."""
+    return (tokens == sep).cumsum(-1) + first
 
 
 def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None, window: int = 0) -> Tensor:
@@ -93,6 +103,7 @@ class KVCache:
                  dtype: torch.dtype) -> None:
         self.k = [torch.empty(B, H, size, D, device=device, dtype=dtype) for _ in range(n_layer)]
         self.v = [torch.empty(B, H, size, D, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.doc = torch.zeros(B, size, dtype=torch.long, device=device)  # document ids, with a separator
         self.size = size
         self.length = 0  # positions seen: the next one's absolute position (the same for every layer after a forward)
 
@@ -107,19 +118,27 @@ class KVCache:
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, H, T, D) of the T new positions; return the stored and new ones (B, H, Tk, D)."""
-        start, T = self.length, k.size(2)
+        return self._store(self.k[layer], k, 2), self._store(self.v[layer], v, 2)
+
+    def documents(self, new: Tensor) -> Tensor:
+        """Store the document ids (B, T) of the T new positions; return those of the keys `append` returns (B, Tk)."""
+        return self._store(self.doc, new, 1)
+
+    def last_document(self) -> Tensor | int:
+        """(B, 1) document id of the last position stored, 0 before any."""
+        return self.doc[:, [(self.length - 1) % self.size]] if self.length else 0
+
+    def _store(self, held: Tensor, new: Tensor, dim: int) -> Tensor:
+        """Write new (T positions along dim) into held's slots; return held's positions, then new's."""
+        start, T = self.length, new.size(dim)
         if start + T <= self.size:  # room: write in place, return a view
-            self.k[layer][:, :, start:start + T] = k
-            self.v[layer][:, :, start:start + T] = v
-            return self.k[layer][:, :, :start + T], self.v[layer][:, :, :start + T]
-        held = min(start, self.size)
-        keys = torch.cat([self.k[layer][:, :, :held], k], dim=2)  # (B, H, held + T, D)
-        values = torch.cat([self.v[layer][:, :, :held], v], dim=2)
+            held.narrow(dim, start, T).copy_(new)
+            return held.narrow(dim, 0, start + T)
+        out = torch.cat([held.narrow(dim, 0, min(start, self.size)), new], dim=dim)
         keep = min(T, self.size)  # the newest positions overwrite the oldest
-        slots = torch.arange(start + T - keep, start + T, device=k.device) % self.size
-        self.k[layer].index_copy_(2, slots, k[:, :, T - keep:])
-        self.v[layer].index_copy_(2, slots, v[:, :, T - keep:])
-        return keys, values
+        slots = torch.arange(start + T - keep, start + T, device=new.device) % self.size
+        held.index_copy_(dim, slots, new.narrow(dim, T - keep, keep))
+        return out
 
 
 class CausalSelfAttention(nn.Module):

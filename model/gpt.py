@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import CausalSelfAttention, KVCache, additive_mask, visible
+from .attention import CausalSelfAttention, KVCache, additive_mask, documents, visible
 
 ATTN_BACKENDS = ("manual", "sdpa")
 POS_EMBS = ("learned", "rope")
@@ -33,6 +33,7 @@ class GPTConfig:
     pos_emb: str = "learned"  # "rope": rotate q, k by position instead of adding a table
     qk_norm: bool = False  # RMS-norm q, k per head: bounded logits at high lr
     attn_window: int = 0  # W >= 1: each query reads itself and the W - 1 keys before it; 0: every earlier key
+    doc_sep: int | None = None  # the separator's token id: no query reads a key of another document; None: off
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -51,6 +52,8 @@ class GPTConfig:
         if self.attn_window > self.block_size:
             raise ValueError(f"GPTConfig.attn_window={self.attn_window} exceeds block_size={self.block_size}: give "
                              "a window <= block_size (a window the context never fills is no window)")
+        if self.doc_sep is not None and not (isinstance(self.doc_sep, int) and 0 <= self.doc_sep < self.vocab_size):
+            raise ValueError(f"GPTConfig.doc_sep={self.doc_sep!r} is not a token id in [0, {self.vocab_size})")
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"GPTConfig.pos_emb='rope' needs an even head width, got {self.n_embd // self.n_head}")
 
@@ -149,8 +152,13 @@ class GPT(nn.Module):
         else:  # not a buffer: Module.to(dtype) drops a complex buffer's imaginary part
             rope = rope_frequencies(q_pos, self.config.n_embd // self.config.n_head, dtype=x.dtype)
         x = F.dropout(x, self.config.dropout, self.training)
-        # (T, Tk) for all layers, from the rule; not cached, so an edit of `visible` takes effect
-        mask = additive_mask(visible(q_pos[:, None], k_pos[None, :], self.config.attn_window), x.dtype)
+        docs = ()
+        if self.config.doc_sep is not None:  # ids from the inputs, never the targets (those are the future)
+            q_doc = documents(idx, self.config.doc_sep, cache.last_document() if cache is not None else 0)  # (B, T)
+            k_doc = cache.documents(q_doc) if cache is not None else q_doc  # (B, Tk)
+            docs = (q_doc[:, None, :, None], k_doc[:, None, None, :])  # against (B, 1, T, Tk)
+        # (T, Tk) or (B, 1, T, Tk) for all layers, from the rule; not cached, so an edit of `visible` takes effect
+        mask = additive_mask(visible(q_pos[:, None], k_pos[None, :], self.config.attn_window, *docs), x.dtype)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
         if cache is not None:

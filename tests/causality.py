@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +30,10 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import data  # noqa: E402
+import data.text  # noqa: E402
 import model.attention as attn_lib  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from reference import reach, rule_grid, rule_name  # noqa: E402
+from reference import document_ids, reach, rule_grid, rule_name  # noqa: E402
 
 WINDOWS = (0, 3)  # the rule without and with a window shorter than every test sequence
 T_ATTENTION = 8
@@ -97,6 +99,16 @@ def judge(name: str, change: Tensor, expected: Tensor, rule: str, tol: float = 0
     return Check(name, quiet <= tol and fired > tol, quiet, fired, describe(change > tol, expected, rule, exact))
 
 
+def judge_rows(name: str, change: Tensor, expected: Tensor, rule: str, exact: bool = True) -> Check:
+    """judge() for each row b of change and expected (B, T, T) (rows differ where documents do); the first row that
+    fails speaks for all."""
+    checks = [judge(name, c, e, rule, exact=exact) for c, e in zip(change, expected, strict=True)]
+    bad = next((b for b, c in enumerate(checks) if not c.ok), None)
+    differ = bool((expected != expected[:1]).any())
+    detail = "" if bad is None else checks[bad].detail + (f" (row {bad})" if differ else "")
+    return Check(name, bad is None, max(c.quiet for c in checks), min(c.fired for c in checks), detail)
+
+
 def mask_picture(window: int, T: int = 6) -> str:
     """causal_mask(T, T) next to the declared rule's grid (■ allowed, · masked)."""
     got, want = attn_lib.causal_mask(T, T, window=window).cpu(), rule_grid(T, T, window)
@@ -132,6 +144,7 @@ def redraw_parameters_(model: torch.nn.Module, seed: int = 0, gain: float = 1.5)
 
 
 MODERN = dict(pos_emb="rope", qk_norm=True)  # every later technique the model has
+DOCUMENTS = dict(doc_sep=0)  # token 0 separates documents
 
 
 def leak_test_model(backend: str = "manual", dropout: float = 0.0, seed: int = 0, **kw) -> GPT:
@@ -143,8 +156,28 @@ def leak_test_model(backend: str = "manual", dropout: float = 0.0, seed: int = 0
 
 
 def sequence_length(model: GPT) -> int:
-    """block_size, or 2.5 blocks for a model that runs past it (its rolling cache wraps twice)."""
-    return model.config.block_size * (5 if model.endless else 2) // 2
+    """block_size, or 2 blocks for a model that runs past it (its rolling cache wraps again and again)."""
+    return model.config.block_size * (2 if model.endless else 1)
+
+
+def test_tokens(model: GPT, B: int = 4, seed: int = 1) -> Tensor:
+    """(B, sequence_length) random tokens; with documents, separators at places that differ row by row."""
+    x = random_tokens(B, sequence_length(model), model.config.vocab_size, seed)
+    sep = model.config.doc_sep
+    if sep is not None:
+        x[x == sep] = (sep + 1) % model.config.vocab_size
+        for b in range(B):
+            x[b, [2 + b, 6 + b % 3]] = sep  # (position 0 may start mid-document: no separator needed)
+    return x
+
+
+def expected_reach(model: GPT, x: Tensor) -> Tensor:
+    """(B, T, T) bool: the declared rule's reach over the model's layers, for each row's documents."""
+    c, (B, T) = model.config, x.shape
+    if c.doc_sep is None:
+        return reach(rule_grid(T, T, c.attn_window), c.n_layer).expand(B, T, T)
+    return torch.stack([reach(rule_grid(T, T, c.attn_window, document_ids(row, c.doc_sep)), c.n_layer)
+                        for row in x.tolist()])
 
 
 def random_tokens(B: int, T: int, V: int, seed: int = 1) -> Tensor:
@@ -260,10 +293,21 @@ def logits_by(model: GPT, x: Tensor, path: str) -> Tensor:
     return torch.cat([model(chunk, cache=cache)[0] for chunk in chunks], dim=1)
 
 
-def model_rule(model: GPT, T: int) -> tuple[Tensor, str]:
-    """The declared rule's reach over the model's layers (T, T), and its name."""
-    w = model.config.attn_window
-    return reach(rule_grid(T, T, w), model.config.n_layer), rule_name(w)
+def model_rule(model: GPT) -> str:
+    """The declared rule's name for the model."""
+    return rule_name(model.config.attn_window, model.config.doc_sep is not None)
+
+
+def perturbed_reach(model: GPT, x: Tensor, variants: Tensor) -> Tensor:
+    """expected[b, i, j] (B, T, T): whether logit i of row b may move when token j changes to variants[j, b]: j is in
+    i's reach before or after, or i's reach itself changed (a separator added or removed moves documents)."""
+    before = expected_reach(model, x)
+    if model.config.doc_sep is None:
+        return before
+    after = torch.stack([expected_reach(model, v) for v in variants])  # (T, B, T, T): [j, b, i, k]
+    j = torch.arange(x.size(1))
+    moved = (after != before).any(-1) | after[j, :, :, j] | before.permute(2, 0, 1)  # (T, B, T): [j, b, i]
+    return moved.permute(1, 2, 0)
 
 
 def check_perturbation(model: GPT, x: Tensor, path: str = "forward", seed: int = 2) -> Check:
@@ -274,22 +318,22 @@ def check_perturbation(model: GPT, x: Tensor, path: str = "forward", seed: int =
     outputs: list[Tensor] = []
     hooks = [b.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for b in model.blocks] \
         if path == "forward" else []
+    variants = torch.stack([_change_at(x, j, V, seed + j) for j in range(T)])  # (T, B, T)
     try:
         with torch.no_grad():
-            variants = torch.cat([x] + [_change_at(x, j, V, seed + j) for j in range(T)])  # ((T + 1) B, T)
-            logits = logits_by(model, variants, path).view(T + 1, B, T, V)
+            logits = logits_by(model, torch.cat([x[None], variants]).flatten(0, 1), path).view(T + 1, B, T, V)
     finally:
         for h in hooks:
             h.remove()
-    change = (logits[1:] - logits[0]).abs().amax(dim=(1, 3)).T.double().cpu()  # change[i, j]: logits i, token j
-    check = judge(f"model: perturbation, {path}", change, *model_rule(model, T))
-    leaks = ((change > 0) & torch.ones(T, T, dtype=torch.bool).triu(1)).nonzero()
+    change = (logits[1:] - logits[0]).abs().amax(dim=-1).permute(1, 2, 0).double().cpu()  # [b, i, j]
+    check = judge_rows(f"model: perturbation, {path}", change, perturbed_reach(model, x, variants), model_rule(model))
     if check.detail.startswith("LEAK") and hooks:
-        i, j = leaks[0].tolist()  # the pair describe() named
-        moved = [(o.view(T + 1, B, T, -1)[j + 1, :, i] != o.view(T + 1, B, T, -1)[0, :, i]).any().item()
+        b, i, j = ((change > 0) & torch.ones(T, T, dtype=torch.bool).triu(1)).nonzero()[0].tolist()
+        moved = [(o.view(T + 1, B, T, -1)[j + 1, b, i] != o.view(T + 1, B, T, -1)[0, b, i]).any().item()
                  for o in outputs]
         if any(moved):
-            check.detail += f" in layer {moved.index(True)}"
+            head, row, tail = check.detail.partition(" (row")
+            check.detail = f"{head} in layer {moved.index(True)}{row}{tail}"
     return check
 
 
@@ -307,12 +351,12 @@ def check_gradients(model: GPT, x: Tensor) -> Check:
         logits, _ = model(x)
     finally:
         handle.remove()
-    emb, T = captured[0], x.size(1)
-    grads = torch.zeros(T, T, dtype=torch.float64)
+    emb, (B, T) = captured[0], x.shape
+    grads = torch.zeros(B, T, T, dtype=torch.float64)  # [b, t, s]
     for t in range(T):
         (grad,) = torch.autograd.grad(logits[:, t].sum(), emb, retain_graph=True)
-        grads[t] = grad.abs().sum(dim=(0, 2)).double().cpu()
-    return judge("model: gradients", grads, *model_rule(model, T))
+        grads[:, t] = grad.abs().sum(dim=2).double().cpu()
+    return judge_rows("model: gradients", grads, expected_reach(model, x), model_rule(model))
 
 
 def check_prefix_parity(model: GPT, x: Tensor, tol: float = 1e-9) -> Check:
@@ -321,7 +365,7 @@ def check_prefix_parity(model: GPT, x: Tensor, tol: float = 1e-9) -> Check:
         full, _ = model(x)
         errors = [_max(model(x[:, :t])[0] - full[:, :t]) for t in range(1, x.size(1) + 1)]
         # positive control: the last position really reads the furthest token the rule lets it reach
-        first = model_rule(model, x.size(1))[0][-1].nonzero()[0].item()
+        first = expected_reach(model, x)[0, -1].nonzero()[0].item()
         other = _change_at(x, first, model.config.vocab_size, 9)
         fired = _max(model(other)[0][:, -1] - full[:, -1])
     bad = [t for t, e in enumerate(errors, 1) if e > tol]
@@ -333,25 +377,26 @@ def check_dropout_causality(backend: str = "manual", seed: int = 3, attn_window:
     """Train mode, dropout 0.3, the same RNG state for every forward: a new token at j moves no logit the rule
     does not let reach j (dropout may zero a path, never open one). options: GPTConfig options."""
     model = leak_test_model(backend, dropout=0.3, attn_window=attn_window, **options).train()
-    x = random_tokens(3, model.config.block_size, model.config.vocab_size, seed)
-    T = x.size(1)
-    change = torch.zeros(T, T, dtype=torch.float64)
+    x = test_tokens(model, 3, seed)[:, :model.config.block_size]
+    (B, T), V = x.shape, model.config.vocab_size
+    variants = torch.stack([_change_at(x, j, V, seed + j) for j in range(T)])
+    change = torch.zeros(B, T, T, dtype=torch.float64)
     with torch.no_grad():
         torch.manual_seed(seed)
         base, _ = model(x)
         for j in range(T):
             torch.manual_seed(seed)
-            out, _ = model(_change_at(x, j, model.config.vocab_size, seed + j))
-            change[:, j] = (out - base).abs().amax(dim=(0, 2))
+            out, _ = model(variants[j])
+            change[:, :, j] = (out - base).abs().amax(dim=2)
         torch.manual_seed(seed + 100)  # and dropout is really on: another draw changes the output
         other, _ = model(x)
-    check = judge("model: dropout", change, *model_rule(model, T), exact=False)
+    check = judge_rows("model: dropout", change, perturbed_reach(model, x, variants), model_rule(model), exact=False)
     if check.ok and not _max(other - base) > 0:
         check.ok, check.detail = False, "dropout does not act in train mode"
     return check
 
 
-def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 30, seed: int = 4, slide: int = 1) -> Check:
+def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 16, seed: int = 4, slide: int = 1) -> Check:
     """Cached and uncached generation draw identical tokens from the same generator, past block_size (a full
     window sliding `slide` tokens at a time; an endless model's cache rolling)."""
     def gen(s: int) -> torch.Generator:
@@ -362,8 +407,8 @@ def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 30, seed: i
             for use_cache in (True, False)]
     differ = (runs[0] != runs[1]).sum().item()
     # positive control: a different seed draws different tokens, so equality above is informative
-    other = model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed + 1), slide=slide)
-    fired = (other != runs[0]).sum().item()
+    other = model.generate(prompt, 4, temperature=1.0, generator=gen(seed + 1), slide=slide)
+    fired = (other != runs[0][:, :other.size(1)]).sum().item()
     first = (runs[0] != runs[1]).any(0).nonzero()
     where = f"they part at token {first[0].item()}" if len(first) else ""
     return Check("model: KV-cache parity", differ == 0 and fired > 0, float(differ), float(fired), where)
@@ -418,6 +463,21 @@ def check_batch_shift(batch_size: int = 64, block_size: int = 8, n: int = 40) ->
         where += ("; " if where else "") + "the window offsets do not reach both ends of the data"
     return Check("data: targets are next tokens", wrong == 0 and window_ok and reach_ends,
                  float(wrong), float(top == n - 1), where)
+
+
+def check_documents_joined() -> Check:
+    """A folder's files, and a file's lines with documents="lines", load as documents each opened by the
+    separator, none glued to the one before; a single file without the option loads as it is."""
+    sep = data.SEPARATOR
+    with tempfile.TemporaryDirectory() as folder:
+        for name, text in (("a.txt", "ab\n"), ("b.txt", "cd")):
+            (Path(folder) / name).write_text(text)
+        got = [data.text.load_text(folder)[0], data.text.load_text(f"{folder}/a.txt", documents="lines")[0],
+               data.text.load_text(f"{folder}/b.txt")[0]]
+    want = [f"{sep}ab\n{sep}cd", f"{sep}ab", "cd"]
+    wrong = sum(g != w for g, w in zip(got, want, strict=True))
+    return Check("data: documents joined by the separator", wrong == 0, float(wrong), float(len(want)),
+                 "" if not wrong else f"loaded {got}, not {want}: documents glued or mis-split")
 
 
 def find_offsets(corpus: np.ndarray, x: Tensor) -> list[int]:
@@ -496,20 +556,21 @@ def run_check(name: str, fn: Callable[..., Check], *args) -> Check:
 def model_tag(model: GPT) -> str:
     c = model.config
     modern = f", {c.pos_emb}, qk_norm={c.qk_norm}" if (c.pos_emb, c.qk_norm) != ("learned", False) else ""
-    return c.attn_backend + modern + (f", attn_window={c.attn_window}" if c.attn_window else "")
+    return c.attn_backend + modern + (f", attn_window={c.attn_window}" if c.attn_window else "") + \
+        (", documents" if c.doc_sep is not None else "")
 
 
 def model_checks(model: GPT, x: Tensor) -> Iterator[Check]:
     """The model-level checks that run on any model (random or trained), in float64; x: (B, sequence_length)."""
     tag = model_tag(model)
+    if model.config.attn_window:
+        yield run_check(f"model: rolling cache ({tag})", check_rolling_cache, model, x)
     for path in ("forward", "chunked prefill", "decode"):
         yield run_check(f"model: perturbation, {path} ({tag})", check_perturbation, model, x, path)
     yield run_check(f"model: gradients ({tag})", check_gradients, model, x)
     yield run_check(f"model: cache values ({tag})", check_chunked_prefill, model, x)
     yield run_check(f"model: prefix parity ({tag})", check_prefix_parity, model, x[:, :model.config.block_size])
     yield run_check(f"model: KV-cache parity ({tag})", check_cache_parity, model, x[:, :3])
-    if model.config.attn_window:
-        yield run_check(f"model: rolling cache ({tag})", check_rolling_cache, model, x)
 
 
 def attention_checks(window: int) -> Iterator[Check]:
@@ -522,19 +583,13 @@ def attention_checks(window: int) -> Iterator[Check]:
 
 def iter_checks() -> Iterator[Check]:
     """Every check, one at a time (the mutant tests stop at the first that fails): the mask and attention under
-    each window, the batches, models on both backends with and without rotary positions and a window, and the
-    losses."""
+    each window, the batches and documents, the losses, then models on both backends with and without documents,
+    rotary positions and a window, and dropout."""
     for window in WINDOWS:
         yield from attention_checks(window)
     yield run_check("attention: extreme scores", check_attention_extreme_scores)
     yield run_check("data: targets are next tokens", check_batch_shift)
-    for backend in ("manual", "sdpa"):
-        for options in ({}, MODERN, dict(attn_window=3), dict(MODERN, attn_window=3)):
-            m = leak_test_model(backend, **options)
-            yield from model_checks(m, random_tokens(4, sequence_length(m), m.config.vocab_size))
-        for window in WINDOWS:
-            yield run_check(f"model: dropout ({backend}, {rule_name(window)})", check_dropout_causality, backend,
-                            3, window)
+    yield run_check("data: documents joined by the separator", check_documents_joined)
     for window in WINDOWS:
         m = leak_test_model("manual", attn_window=window)
         corpus = np.random.default_rng(0).integers(0, m.config.vocab_size, 500).astype(np.uint16)
@@ -543,6 +598,15 @@ def iter_checks() -> Iterator[Check]:
         # 2 full windows and a short one: the end of the split is scored too
         yield run_check("loss: exact val against the next token" + tag, check_exact_loss_is_next_token_cross_entropy,
                         m, corpus[:2 * m.config.block_size + 5])
+    for options in (DOCUMENTS, dict(attn_window=3), {}, MODERN, dict(MODERN, attn_window=3),
+                    dict(MODERN, attn_window=3, **DOCUMENTS)):
+        for backend in ("manual", "sdpa"):
+            m = leak_test_model(backend, **options)
+            yield from model_checks(m, test_tokens(m))
+    for backend in ("manual", "sdpa"):
+        for window in WINDOWS:
+            yield run_check(f"model: dropout ({backend}, {rule_name(window)})", check_dropout_causality, backend,
+                            3, window)
 
 
 def all_checks() -> list[Check]:

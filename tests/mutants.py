@@ -22,13 +22,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import data
+import data.text
 import model.attention as attn_lib
 import model.gpt
 import training.evaluate
 
 REAL = {"visible": attn_lib.visible, "attention": attn_lib.attention, "get_batch": data.get_batch,
         "inputs_and_targets": data.inputs_and_targets, "exact_loss": training.evaluate.exact_loss,
-        "KVCache.positions": attn_lib.KVCache.positions, "GPT.new_cache": model.gpt.GPT.new_cache}
+        "KVCache.positions": attn_lib.KVCache.positions, "GPT.new_cache": model.gpt.GPT.new_cache,
+        "documents": attn_lib.documents, "KVCache.documents": attn_lib.KVCache.documents,
+        "KVCache.last_document": attn_lib.KVCache.last_document, "join_documents": data.text.join_documents}
 _REAL_SDPA = F.scaled_dot_product_attention
 LEAK, NARROW_OR_WIDE = "LEAK", "no leak, but not"  # what the first failing check must say
 
@@ -180,6 +183,29 @@ def exact_loss_without_window(model, *args, **kwargs):
         model.config = saved
 
 
+# --- broken documents ---------------------------------------------------------------------------------
+
+def separator_in_the_previous_document(tokens, sep, first=0):
+    return REAL["documents"](tokens, sep, first) - (tokens == sep).long()  # the separator closes, not opens
+
+
+def documents_from_the_targets(tokens, sep, first=0):
+    return REAL["documents"](tokens.roll(-1, dims=-1), sep, first)  # ids of the next tokens: the future
+
+
+def cache_forgets_the_documents(self, new):
+    held = REAL["KVCache.documents"](self, new)
+    return torch.cat([new[:, :1].expand(-1, held.size(1) - new.size(1)), new], dim=1)  # old keys: the new document
+
+
+def cache_restarts_the_count(self):
+    return 0  # each forward counts documents from 0: a cached key of document 3 is foreign to a query of document 1
+
+
+def rows_joined_with_nothing(docs, name):
+    return "".join(d for d in docs if d)
+
+
 # --- broken batchers -----------------------------------------------------------------------------
 
 def batcher(shift: int) -> Callable:
@@ -221,6 +247,13 @@ MUTANTS = [
     Mutant("rolling cache evicts one key too many", "GPT.new_cache", cache_of(-1)),
     Mutant("rotary positions drift to the rolling cache's slots", "KVCache.positions", positions_by_slot),
     Mutant("the exact val pass ignores the window", "exact_loss", exact_loss_without_window),
+    Mutant("the separator counted in the previous document", "documents", separator_in_the_previous_document,
+           NARROW_OR_WIDE),
+    Mutant("document ids from the targets (one position early)", "documents", documents_from_the_targets, LEAK),
+    Mutant("the cache keeps the previous document", "KVCache.documents", cache_forgets_the_documents, NARROW_OR_WIDE),
+    Mutant("the cache restarts the document count each forward", "KVCache.last_document", cache_restarts_the_count,
+           NARROW_OR_WIDE),
+    Mutant("documents joined with nothing", "join_documents", rows_joined_with_nothing),
     Mutant("targets equal inputs (y = x)", "get_batch", batcher(0)),
     Mutant("targets shifted by two", "get_batch", batcher(2)),
     Mutant("targets shifted backwards", "get_batch", batcher(-1)),

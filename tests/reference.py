@@ -19,21 +19,33 @@ import torch
 from torch import Tensor
 
 
-def declared_rule(q: int, k: int, window: int = 0) -> bool:
+def declared_rule(q: int, k: int, window: int = 0, same_document: bool = True) -> bool:
     """May the query at position q read the key at position k? The reference of model/attention.py:visible.
     Changing the rule on purpose? Write the new rule here too (and its name below): the whole suite then holds
     every path of the model to it, and still refuses any query that reads a later key."""
-    return k <= q and (window == 0 or q - k < window)
+    return k <= q and (window == 0 or q - k < window) and same_document
 
 
-def rule_name(window: int = 0) -> str:
+def rule_name(window: int = 0, documents: bool = False) -> str:
     """The declared rule, in words, for failure messages."""
-    return f"attn_window={window}" if window else "the causal rule"
+    name = f"attn_window={window}" if window else "the causal rule"
+    return name + (" within documents" if documents else "")
 
 
-def rule_grid(Tq: int, Tk: int, window: int = 0) -> Tensor:
-    """(Tq, Tk) bool: declared_rule for queries at the last Tq of Tk positions."""
-    return torch.tensor([[declared_rule(Tk - Tq + i, j, window) for j in range(Tk)] for i in range(Tq)])
+def document_ids(tokens: list[int], sep: int) -> list[int]:
+    """The document of each position: a separator opens the next one."""
+    ids, doc = [], 0
+    for token in tokens:
+        doc += token == sep
+        ids.append(doc)
+    return ids
+
+
+def rule_grid(Tq: int, Tk: int, window: int = 0, docs: list[int] | None = None) -> Tensor:
+    """(Tq, Tk) bool: declared_rule for queries at the last Tq of Tk positions; docs: each position's document."""
+    same = (lambda i, j: docs[i] == docs[j]) if docs is not None else (lambda i, j: True)
+    return torch.tensor([[declared_rule(Tk - Tq + i, j, window, same(Tk - Tq + i, j)) for j in range(Tk)]
+                         for i in range(Tq)])
 
 
 def reach(grid: Tensor, n_layer: int) -> Tensor:
@@ -71,7 +83,7 @@ def _rotate(x: Tensor, start: int) -> Tensor:
     return out
 
 
-def _attention(x: Tensor, sd: dict[str, Tensor], p: str, cfg: dict) -> Tensor:
+def _attention(x: Tensor, sd: dict[str, Tensor], p: str, cfg: dict, allowed: Tensor) -> Tensor:
     B, T, C = x.shape
     H = cfg["n_head"]
     D = C // H
@@ -83,8 +95,7 @@ def _attention(x: Tensor, sd: dict[str, Tensor], p: str, cfg: dict) -> Tensor:
     if cfg["pos_emb"] == "rope":
         q, k = _rotate(q, 0), _rotate(k, 0)
     scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, T, T)
-    allowed = rule_grid(T, T, cfg.get("attn_window", 0))
-    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # allowed: (B, 1, T, T)
     y = (weights @ v).transpose(1, 2).reshape(B, T, C)
     return _linear(y, sd, f"{p}proj")
 
@@ -107,9 +118,12 @@ def reference_forward(sd: dict[str, Tensor], cfg: dict, idx: Tensor) -> dict[str
     if cfg["pos_emb"] == "learned":
         x = x + sd["pos_emb.weight"][:T]
     out = {"embedding": x}
+    sep, window = cfg.get("doc_sep"), cfg.get("attn_window", 0)
+    allowed = torch.stack([rule_grid(T, T, window, None if sep is None else document_ids(row, sep))
+                           for row in idx.tolist()])[:, None]  # (B, 1, T, T)
     for layer in range(cfg["n_layer"]):
         p = f"blocks.{layer}."
-        a = _attention(_layer_norm(x, sd[f"{p}ln_1.weight"], sd.get(f"{p}ln_1.bias")), sd, f"{p}attn.", cfg)
+        a = _attention(_layer_norm(x, sd[f"{p}ln_1.weight"], sd.get(f"{p}ln_1.bias")), sd, f"{p}attn.", cfg, allowed)
         x = x + a
         h = _layer_norm(x, sd[f"{p}ln_2.weight"], sd.get(f"{p}ln_2.bias"))
         u = _linear(h, sd, f"{p}mlp.fc")

@@ -1,7 +1,8 @@
 """No query reads a later key, and every path reads exactly what the declared rule allows (tests/reference.py):
 the mask, attention alone, and the model's perturbation, gradient, prefix, cache and dropout checks, for every
-combination of the model's options, windowed or not. Every check lives in tests/causality.py, with its positive
-control; a failure says LEAK with the (query, key) pair and layer, or how the mask differs from the rule.
+combination of the model's options, with and without a window and documents. Every check lives in
+tests/causality.py, with its positive control; a failure says LEAK with the (query, key) pair and layer, or
+how the mask differs from the rule.
 
 On a trained model:  python -m pytest tests/test_causality.py -k checkpoint --ckpt out/RUN/ckpt.pt -s
 """
@@ -19,7 +20,7 @@ from model import GPTConfig
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
 OPTION_VALUES = {"attn_backend": ["manual", "sdpa"], "pos_emb": ["learned", "rope"], "qk_norm": [False, True],
-                 "attn_window": list(C.WINDOWS)}
+                 "attn_window": list(C.WINDOWS), "doc_sep": [None, 0]}
 COMBINATIONS = [dict(zip(OPTION_VALUES, v, strict=True)) for v in itertools.product(*OPTION_VALUES.values())]
 
 
@@ -46,8 +47,7 @@ def test_every_path_reads_exactly_what_the_rule_allows_for_any_combination_of_op
     runs on), gradients, cached against uncached logits and tokens, prefix parity, the rolling cache's contents,
     then the same perturbation in train mode with dropout."""
     model = C.leak_test_model(**options)
-    x = C.random_tokens(4, C.sequence_length(model), model.config.vocab_size)
-    C.require(*C.model_checks(model, x), C.check_dropout_causality(**options))
+    C.require(*C.model_checks(model, C.test_tokens(model)), C.check_dropout_causality(**options))
 
 
 @pytest.mark.parametrize("slide", [3, 10])

@@ -23,6 +23,7 @@ from tiny import TEXT
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # of karpathy's input.txt
+SEP = data.text.SEPARATOR
 CORPUS = (TEXT * 25)[:2000]  # 1,800 / 100 / 100 characters, like the hub's tiny_shakespeare splits
 
 
@@ -32,7 +33,7 @@ def gen(seed: int) -> torch.Generator:
 
 def test_the_bundled_corpus_is_tiny_shakespeare_split_as_nanogpt_splits_it_and_a_tampered_copy_is_refused(
         tmp_path, monkeypatch):
-    raw = data.text.SHAKESPEARE.read_bytes()
+    raw = (data.text.CORPORA / "tinyshakespeare.txt").read_bytes()
     assert len(raw) == 1_115_394 and hashlib.sha256(raw).hexdigest() == SHAKESPEARE_SHA256
     text, _ = load_text("shakespeare_char")
     assert text.encode("utf-8") == raw
@@ -41,13 +42,13 @@ def test_the_bundled_corpus_is_tiny_shakespeare_split_as_nanogpt_splits_it_and_a
     assert tok.vocab_size == 65 and (n, len(corpus.val)) == (1_003_854, 111_540)
     assert tok.decode(corpus.train[:14]) == "First Citizen:" and tok.decode(corpus.train[-50:]) == text[n - 50:n]
     assert tok.decode(corpus.val) == text[n:]
-    intact, tampered = tmp_path / "intact.txt", tmp_path / "tampered.txt"
-    intact.write_bytes(raw)
-    tampered.write_bytes(raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])  # one bit, same size
-    monkeypatch.setattr(data.text, "SHAKESPEARE", intact)
+    (tmp_path / "intact").mkdir(), (tmp_path / "tampered").mkdir()
+    (tmp_path / "intact" / "tinyshakespeare.txt").write_bytes(raw)
+    (tmp_path / "tampered" / "tinyshakespeare.txt").write_bytes(raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])
+    monkeypatch.setattr(data.text, "CORPORA", tmp_path / "intact")
     assert load_text("shakespeare_char")[0].encode() == raw  # the control: the path is not what is refused
-    monkeypatch.setattr(data.text, "SHAKESPEARE", tampered)
-    with pytest.raises(ValueError, match="is not Tiny Shakespeare"):
+    monkeypatch.setattr(data.text, "CORPORA", tmp_path / "tampered")  # one bit, same size
+    with pytest.raises(ValueError, match="is not the bundled Tiny Shakespeare"):
         load_text("shakespeare_char")
 
 
@@ -127,7 +128,7 @@ def test_a_folder_is_its_txt_files_in_sorted_path_order_without_hidden_ones(tmp_
                        ("only_hidden/.draft.txt", "hidden"), (".ipynb_checkpoints/a-checkpoint.txt", "stale")]:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text, encoding="utf-8")
-    assert load_text(str(folder))[0] == "first second third"
+    assert load_text(str(folder))[0] == SEP + "first " + SEP + "second " + SEP + "third"  # a document each
     with pytest.raises(ValueError, match="contains no .txt files"):
         load_text(str(folder / "only_hidden"))
 
@@ -147,7 +148,7 @@ def test_a_utf8_file_is_read_as_it_is_and_an_unknown_dataset_or_an_empty_corpus_
     path = tmp_path / "corpus.txt"
     path.write_text(TEXT + "Äß\r\n", encoding="utf-8", newline="")
     assert load_text(str(path)) == (TEXT + "Äß\r\n", str(path))
-    with pytest.raises(ValueError, match="neither 'shakespeare_char', 'hf:NAME', an existing file nor a folder"):
+    with pytest.raises(ValueError, match="neither one of shakespeare_char, surnames, 'hf:NAME', an existing file nor"):
         load_text(str(tmp_path / "missing.txt"))
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
     with pytest.raises(ValueError, match=r"corpus .*empty\.txt is empty"):
@@ -200,11 +201,11 @@ def single_error(e: pytest.ExceptionInfo) -> str:
 
 
 def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(saved):
-    corpus = load_corpus(saved)
-    assert corpus.tokenizer.decode(corpus.train) == CORPUS[:1800]  # the hub's train split
-    assert corpus.tokenizer.decode(corpus.val) == CORPUS[1800:]  # its validation + test, so val is held out
-    assert load_text(f"{saved}:validation")[0] == load_text(saved, split="validation")[0] == CORPUS[1800:1900]
-    assert load_text(saved, split="test")[0] == CORPUS[1900:]
+    corpus = load_corpus(saved)  # each split's row is a document
+    assert corpus.tokenizer.decode(corpus.train) == SEP + CORPUS[:1800] + SEP  # the hub's train split (90 %)
+    assert corpus.tokenizer.decode(corpus.val) == CORPUS[1800:1900] + SEP + CORPUS[1900:]  # validation + test
+    assert load_text(f"{saved}:validation")[0] == load_text(saved, split="validation")[0] == SEP + CORPUS[1800:1900]
+    assert load_text(saved, split="test")[0] == SEP + CORPUS[1900:]
     with pytest.raises(ValueError, match="names split 'test' but config field split='train'"):
         load_text(f"{saved}:test", split="train")
 
@@ -212,13 +213,13 @@ def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(sa
 def test_a_data_file_or_a_folder_of_them_loads_train_split_first_and_a_txt_file_keeps_its_line_breaks(hf, tmp_path):
     rows = hf.Dataset.from_dict({"text": ["alpha\n", "beta\n"]})
     rows.to_parquet(tmp_path / "one.parquet")
-    assert load_text(f"hf:{tmp_path / 'one.parquet'}")[0] == "alpha\nbeta\n"
+    assert load_text(f"hf:{tmp_path / 'one.parquet'}")[0] == SEP + "alpha\n" + SEP + "beta\n"  # a row, a document
     (tmp_path / "repo" / "data").mkdir(parents=True)
     hf.Dataset.from_dict({"text": ["held out\n"]}).to_parquet(tmp_path / "repo" / "data" / "test.parquet")
     rows.to_parquet(tmp_path / "repo" / "data" / "train.parquet")
-    assert load_text(f"hf:{tmp_path / 'repo'}")[0] == "alpha\nbeta\nheld out\n"  # train first
+    assert load_text(f"hf:{tmp_path / 'repo'}")[0] == SEP + "alpha\n" + SEP + "beta\n" + SEP + "held out\n"  # train 1st
     (tmp_path / "a.txt").write_text("line one\n\nline two", encoding="utf-8")
-    assert load_text(f"hf:{tmp_path / 'a.txt'}")[0] == "line one\n\nline two"
+    assert load_text(f"hf:{tmp_path / 'a.txt'}")[0] == SEP + "line one\n\nline two"  # a file, a document
 
 
 def test_a_folder_of_txt_files_as_hf_reads_the_text_the_plain_folder_loader_reads(tmp_path, hf):
@@ -233,9 +234,9 @@ def test_the_text_column_is_text_or_the_only_string_column_or_the_one_named(hf, 
                           ("one", {"content": ["only ", None, "strings"], "id": [1, 2, 3]}),
                           ("two", {"title": ["A", "B"], "body": ["first\n", "second\n"], "n": [1, 2]})]:
         hf.Dataset.from_dict(columns).save_to_disk(tmp_path / name)
-    assert load_text(f"hf:{tmp_path / 'texty'}")[0] == "body\n"
-    assert load_text(f"hf:{tmp_path / 'one'}")[0] == "only strings"  # a null row adds nothing
-    assert load_text(f"hf:{tmp_path / 'two'}", text_column="body")[0] == "first\nsecond\n"
+    assert load_text(f"hf:{tmp_path / 'texty'}")[0] == SEP + "body\n"
+    assert load_text(f"hf:{tmp_path / 'one'}")[0] == SEP + "only " + SEP + "strings"  # a null row adds nothing
+    assert load_text(f"hf:{tmp_path / 'two'}", text_column="body")[0] == SEP + "first\n" + SEP + "second\n"
     with pytest.raises(ValueError, match=r"set text_column to one of its string columns \['title', 'body'\]"):
         load_text(f"hf:{tmp_path / 'two'}")
 

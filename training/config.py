@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Self
 
+from data import DOCUMENTS
 from model import GPTConfig
 from model.gpt import ATTN_BACKENDS, POS_EMBS
 
@@ -34,6 +35,9 @@ class TrainConfig:
     dataset: str = _f("shakespeare_char", "shakespeare_char (bundled), a .txt file or folder, or hf:NAME[:SPLIT]")
     split: str = _f("", "hf: only: split ('' = all, concatenated)")
     text_column: str = _f("", "hf: only: text column ('' = 'text' or the only string column)")
+    documents: str = _f("", "a document per line or per blank-line-separated paragraph of a file ('' = the file "
+                            "is one text; a folder's files and an hf: dataset's rows are documents anyway)", DOCUMENTS)
+    doc_mask: bool = _f(False, "no query reads a key of another document (needs documents)")
     out_dir: str = _f("out", "run folder: checkpoint, summary, config, TensorBoard events")
     n_layer: int = _f(6, "transformer blocks")
     n_head: int = _f(6, "attention heads (must divide n_embd)")
@@ -105,10 +109,10 @@ class TrainConfig:
         except ValueError as e:
             raise ValueError(str(e).replace("GPTConfig.", "config field ")) from None
 
-    def model_config(self, vocab_size: int) -> GPTConfig:
-        """The architecture for vocab_size symbols."""
-        names = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size"}
-        return GPTConfig(vocab_size=vocab_size, **{n: getattr(self, n) for n in names})
+    def model_config(self, vocab_size: int, doc_sep: int | None = None) -> GPTConfig:
+        """The architecture for vocab_size symbols, doc_sep the separator's id when doc_mask is on."""
+        names = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "doc_sep"}
+        return GPTConfig(vocab_size=vocab_size, doc_sep=doc_sep, **{n: getattr(self, n) for n in names})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
