@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from data import CharTokenizer, decode_utf8
+from data import SEPARATOR, CharTokenizer, decode_utf8
 from model import GPT
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
 from training.config import MAX_SEED
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out_dir", help="run dir holding ckpt.pt; None = newest under out/")
     p.add_argument("--ckpt", help="checkpoint file instead of OUT_DIR/ckpt.pt")
-    p.add_argument("--prompt", help="text to continue; None = a newline")
+    p.add_argument("--prompt", help="text to continue; None = a newline, or a new document for a model trained on "
+                                    "documents (each sample then ends where its document does)")
     p.add_argument("--prompt_file", help="UTF-8 file holding the prompt")
     p.add_argument("--max_new_tokens", type=int, default=500, help="characters per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; < 1 sharper, > 1 more random")
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
     """(eval model, tokenizer, prompt, prompt ids, checkpoint path) that args name."""
-    prompt = "\n" if args.prompt is None else args.prompt
+    prompt = args.prompt
     if args.prompt_file:
         if args.prompt is not None:
             raise ValueError("give the prompt as --prompt or --prompt_file, not both")
@@ -58,7 +59,7 @@ def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], 
             prompt = decode_utf8(Path(args.prompt_file).read_bytes(), args.prompt_file)
         except OSError as e:
             raise ValueError(f"--prompt_file: cannot read {args.prompt_file}: {e.strerror or e}") from None
-    if not prompt:
+    if prompt == "":
         raise ValueError("the prompt is empty; give one character or more")
     if args.ckpt:
         path = Path(args.ckpt)
@@ -73,6 +74,8 @@ def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], 
         print(f"[sampling from {path}, the newest under out/]", file=sys.stderr)
     device = resolve_device(args.device)
     model, tok = model_from_checkpoint(load_checkpoint(path, map_location=device), device, dropout=0.0)
+    if prompt is None:  # a model of documents starts one: the separator opens it
+        prompt = SEPARATOR if SEPARATOR in tok.stoi else "\n"
     return model.eval(), tok, prompt, tok.encode(prompt), path
 
 
@@ -92,24 +95,30 @@ def attention_png(args: argparse.Namespace) -> None:
 
 
 def sample(args: argparse.Namespace) -> None:
-    """Stream args.num_samples continuations to stdout, dashed lines between."""
+    """Stream args.num_samples continuations to stdout: dashed lines between them; a model trained on documents
+    stops each at the end of its document (the next separator), and documents of one line take a line each."""
     if args.num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed must be in [0, 2**62], got {args.seed}")
     model, tok, prompt, ids, _ = load(args)
+    sep = tok.stoi.get(SEPARATOR)
+    between = "" if sep is not None and "\n" not in tok.stoi else "-" * 40 + "\n"
     idx = torch.tensor([ids], device=model.tok_emb.weight.device)
     gen = torch.Generator(device=idx.device).manual_seed(args.seed)
-    t0 = time.perf_counter()
+    t0, n = time.perf_counter(), 0
     for i in range(args.num_samples):
         tokens = model.stream(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                               top_p=args.top_p, generator=gen, use_cache=not args.no_cache, slide=args.slide)
-        first = tok.decode(itertools.islice(tokens, 1))  # options are checked here, before any text
-        print(("-" * 40 + "\n" if i else "") + prompt + first, end="")
-        for token in tokens:
+        first = next(tokens, None)  # options are checked here, before any text
+        print((between if i else "") + prompt.replace(SEPARATOR, ""), end="")
+        for token in itertools.chain([] if first is None else [first], tokens):
+            n += 1
+            if int(token) == sep:  # the document ends
+                break
             print(tok.chars[int(token)], end="", flush=True)
         print(flush=True)  # newline before the speed line, on a terminal too
-    n, dt = args.num_samples * args.max_new_tokens, time.perf_counter() - t0
+    dt = time.perf_counter() - t0
     print(f"[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):,.0f} tokens/s on {idx.device}]", file=sys.stderr)
 
 

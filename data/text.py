@@ -46,7 +46,9 @@ def join_documents(docs: Iterable[str], name: str) -> str:
 
 def split_documents(text: str, documents: str) -> list[str]:
     """text as documents: one per line ("lines") or blank-line-separated block ("paragraphs")."""
-    return text.splitlines() if documents == "lines" else [p.strip("\n") for p in re.split(r"\n[ \t]*\n", text)]
+    if documents == "lines":  # not splitlines(): it also splits at U+001C..U+001E, the separator among them
+        return [line.removesuffix("\r") for line in text.split("\n")]
+    return [p.strip("\r\n") for p in re.split(r"\r?\n[ \t]*\r?\n", text)]
 
 
 def load_text(dataset: str, split: str = "", text_column: str = "", documents: str = "") -> tuple[str, str]:

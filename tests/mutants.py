@@ -61,42 +61,30 @@ def substitute(monkeypatch, piece: str, replacement: Callable) -> None:
             monkeypatch.setattr(module, piece, replacement)
 
 
-# --- broken rules: visible(q_pos, k_pos, window) with one thing wrong ---------------------------------
+# --- broken rules: visible(q_pos, k_pos, window, q_doc, k_doc) with one thing wrong -------------------
 
 def _in_window(q, k, window):
     return k > q - window if window else torch.ones_like(k <= q)
 
 
-def rule_none(q, k, window=0):
-    return torch.ones_like(k <= q)
+def rule(positions: Callable) -> Callable:
+    """A rule whose positional part is positions(q, k, window) and whose document part is the real one."""
+    def broken(q, k, window=0, q_doc=None, k_doc=None):
+        allowed = positions(q, k, window)
+        return allowed if q_doc is None else allowed & (q_doc == k_doc)
+    return broken
 
 
-def rule_hides_diagonal(q, k, window=0):
-    return (k < q) & _in_window(q, k, window)
-
-
-def rule_leaks_one_step(q, k, window=0):
-    return (k <= q + 1) & _in_window(q, k, window)
-
-
-def rule_transposed(q, k, window=0):
-    return REAL["visible"](k, q, window)
-
-
-def rule_window_one_wider(q, k, window=0):
-    return (k <= q) & (k >= q - window if window else True)  # >= instead of >: W + 1 keys
-
-
-def rule_window_one_narrower(q, k, window=0):
-    return (k <= q) & (k > q - window + 1 if window else True)  # W - 1 keys
-
-
-def rule_without_window_when_decoding(q, k, window=0):
-    return REAL["visible"](q, k, window if q.numel() > 1 else 0)  # nanochat's bug: one query, no window
-
-
-def rule_without_window_for_chunks(q, k, window=0):
-    return REAL["visible"](q, k, 0 if 1 < q.numel() < k.numel() else window)  # a prefill after a cache
+rule_none = rule(lambda q, k, window: torch.ones_like(k <= q))
+rule_hides_diagonal = rule(lambda q, k, window: (k < q) & _in_window(q, k, window))
+rule_leaks_one_step = rule(lambda q, k, window: (k <= q + 1) & _in_window(q, k, window))
+rule_transposed = rule(lambda q, k, window: REAL["visible"](k, q, window))
+rule_window_one_wider = rule(lambda q, k, window: (k <= q) & (k >= q - window if window else True))  # >= for >
+rule_window_one_narrower = rule(lambda q, k, window: (k <= q) & (k > q - window + 1 if window else True))
+# nanochat's bug: one query (decoding), no window; and a prefill after a cache, no window
+rule_without_window_when_decoding = rule(lambda q, k, window: REAL["visible"](q, k, window if q.numel() > 1 else 0))
+rule_without_window_for_chunks = rule(lambda q, k, window: REAL["visible"](q, k, 0 if 1 < q.numel() < k.numel()
+                                                                            else window))
 
 
 # --- broken attention functions (each is the real one with one step done wrong) --------------------

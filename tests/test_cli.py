@@ -23,7 +23,7 @@ import model.gpt
 import sample
 import train
 from tiny import ROOT, TEXT, tiny_config
-from training import CKPT_NAME, TrainConfig
+from training import CKPT_NAME, TrainConfig, parse_args
 from training.visualize import HIGH
 
 CPU_FAST = ROOT / "configs" / "shakespeare_char_cpu_fast.toml"
@@ -118,6 +118,8 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
     if case == "out_dir is a file":
         (tmp / "notes.txt").write_text("keep me")
         return argv_for(cfg, out_dir=tmp / "notes.txt"), ["cannot create it as a directory", "give another --out_dir"]
+    if case == "doc_mask without documents":
+        return argv_for(cfg, doc_mask=True), ["doc_mask=true needs documents", "--documents=lines"]
     if case == "non-UTF-8 corpus":
         (tmp / "latin1.txt").write_bytes(TEXT.encode() * 5 + "café".encode("latin1"))
         offset = len(TEXT.encode()) * 5 + 3
@@ -129,7 +131,8 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown key in toml", "ill-typed value", "ill-typed value in toml",
-                                  "config is a folder", "out_dir is a file", "non-UTF-8 corpus", "split too short"])
+                                  "config is a folder", "out_dir is a file", "doc_mask without documents",
+                                  "non-UTF-8 corpus", "split too short"])
 def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, tmp_path, capsys):
     argv, fragments = bad_train_args(case, tmp_path)
     assert_one_error_line(*run_train(capsys, argv)[::2], *fragments)
@@ -343,4 +346,19 @@ def test_every_cpu_config_trains_with_a_window_and_samples_past_block_size_from_
     assert run_train(capsys, argv)[0] == 0
     assert torch.load(out / CKPT_NAME, weights_only=True)["model_config"]["attn_window"] == 8
     code, text, _ = run_sample(capsys, f"--out_dir={out}", "--prompt=ROMEO:", "--max_new_tokens=150")
-    assert code == 0 and len(text) == len("ROMEO:") + 150 + 1
+    documents = parse_args([str(ROOT / "configs" / config)]).documents  # a document may end sooner
+    assert code == 0 and (len(text) == len("ROMEO:") + 150 + 1 or documents and text.startswith("ROMEO:"))
+
+
+def test_a_model_of_lines_samples_whole_documents_each_ending_at_the_separator(tmp_path, capsys):
+    """Trained on names, one per line, with the document mask: sample.py starts each sample with a new document
+    and stops it at the next separator: three names, a line each, none running into the next."""
+    names = tmp_path / "names.txt"
+    names.write_text("\n".join(["anna", "bob", "carla", "dan", "emma", "fred"] * 60) + "\n")
+    cfg = tiny_config(tmp_path, dataset=str(names), documents="lines", doc_mask=True, max_iters=80, lr_decay_iters=80,
+                      eval_interval=80, tensorboard=False, exact_val=False)
+    train.train(cfg, verbose=False)
+    code, out, _ = run_sample(capsys, f"--out_dir={cfg.out_dir}", "--num_samples=3", "--max_new_tokens=200")
+    lines = out.split("\n")
+    assert code == 0 and len(lines) == 4 and lines[-1] == "" and "\x1e" not in out, out
+    assert all(0 < len(name) < 20 and name.isalpha() for name in lines[:3]), out

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import data.text
+import data
 from data import CharTokenizer, Corpus, check_split_sizes, eval_windows, get_batch, load_corpus
 from data.corpus import encode_corpus
 from data.text import load_text
@@ -260,3 +261,26 @@ def test_an_uncached_hub_id_offline_fails_in_seconds_saying_how_to_pass_a_local_
     assert "nobody-has/this-dataset-gpt-char" in single_error(e)
     assert "Pass a local copy instead: a folder written by save_to_disk" in str(e.value)
     assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_documents_are_a_files_lines_or_paragraphs_each_opened_by_the_separator(tmp_path):
+    """documents="lines": a document per non-empty line; "paragraphs": per blank-line-separated block; without it
+    a file is one text, as before; a document holding the separator is refused, naming it."""
+    path = tmp_path / "docs.txt"
+    path.write_text("ab\n\ncd\nef\n", encoding="utf-8")
+    assert load_text(str(path), documents="lines")[0] == SEP + "ab" + SEP + "cd" + SEP + "ef"
+    assert load_text(str(path), documents="paragraphs")[0] == SEP + "ab" + SEP + "cd\nef"
+    assert load_text(str(path))[0] == "ab\n\ncd\nef\n"
+    path.write_text("ab\nc" + SEP + "d\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="document 1 contains U\\+001E, the document separator"):
+        load_text(str(path), documents="lines")
+
+
+def test_at_a_document_boundary_the_separator_predicts_the_next_first_character_and_the_last_predicts_it(tmp_path):
+    path = tmp_path / "names.txt"
+    path.write_text("ann\nbo\ncyd\n", encoding="utf-8")
+    corpus = load_corpus(str(path), documents="lines")
+    tok = corpus.tokenizer
+    x, y = data.inputs_and_targets(torch.from_numpy(np.concatenate([corpus.train, corpus.val]).astype(np.int64))[None])
+    pairs = list(zip(tok.decode(x[0]), tok.decode(y[0]), strict=True))
+    assert [(a, b) for a, b in pairs if SEP in (a, b)] == [(SEP, "a"), ("n", SEP), (SEP, "b"), ("o", SEP), (SEP, "c")]

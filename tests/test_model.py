@@ -172,7 +172,8 @@ def tiny(**kw) -> GPTConfig:
     (dict(n_layer=0), "n_layer must be a positive integer"), (dict(block_size=2.5), "block_size must be a positive"),
     (dict(attn_backend="flash"), "attn_backend='flash' is unknown"), (dict(dropout=1.0), "dropout must be in"),
     (dict(pos_emb="rope", n_embd=18, n_head=2), "needs an even head width, got 9"),
-    (dict(attn_window=-1), "attn_window must be an integer >= 0"), (dict(attn_window=13), "exceeds block_size=12")])
+    (dict(attn_window=-1), "attn_window must be an integer >= 0"), (dict(attn_window=13), "exceeds block_size=12"),
+    (dict(doc_sep=11), r"doc_sep=11 is not a token id in \[0, 11\)")])
 def test_a_model_config_refusal_names_the_field_and_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         tiny(**kwargs)
@@ -275,6 +276,19 @@ def test_a_windowed_rotary_model_generates_past_block_size_on_a_rolling_cache_wi
     assert learned.generate(prompt, 48).shape == (2, 53)
     with pytest.raises(ValueError, match="exceeds block_size 12"):
         learned(torch.zeros(1, 13, dtype=torch.long))
+
+
+def test_with_documents_a_separator_reads_only_itself_and_a_documents_last_character_reads_its_document():
+    """The separator opens its document: its logits are those of the separator alone (it predicts the next
+    document's first character from nothing else); a document's last character reads that document and nothing
+    before it. Without the mask (the positive control) both read the documents before."""
+    x = torch.tensor([[3, 4, 0, 5, 6, 7, 0, 8, 9]])  # token 0 separates: documents [3 4] [0 5 6 7] [0 8 9]
+    for doc_sep, same in ((0, True), (None, False)):
+        model = C.redraw_parameters_(GPT(tiny(pos_emb="rope", doc_sep=doc_sep)).double()).eval()
+        logits = model(x)[0][0]
+        alone, document = model(x[:, 6:7], start=6)[0][0, -1], model(x[:, 2:6], start=2)[0][0, -1]
+        assert torch.allclose(logits[6], alone, atol=1e-12) == same
+        assert torch.allclose(logits[5], document, atol=1e-12) == same
 
 
 def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention_sees_only_offsets():

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from data import SEPARATOR
 from model import GPT
 
 from .checkpoint import json_safe, write_json
@@ -143,11 +144,11 @@ class RunLog:
             return
         device = model.tok_emb.weight.device
         if self.cfg.sample_tokens > 0:
-            start = chars.index("\n") if "\n" in chars else 0
+            start = next((chars.index(c) for c in (SEPARATOR, "\n") if c in chars), 0)  # a new document, or line
             gen = torch.Generator(device=device).manual_seed(self.cfg.seed)
             with evaluating(model):
                 new = model.stream(torch.tensor([[start]], device=device), self.cfg.sample_tokens, generator=gen)
-                text = chars[start] + "".join(chars[int(t)] for t in new)
+                text = (chars[start] + "".join(chars[int(t)] for t in new)).replace(SEPARATOR, "\n")
             self.writer.add_text("sample", "\n".join("    " + s for s in text.split("\n")), step)  # verbatim
         ids = val[:min(ATTENTION_CHARS, self.cfg.block_size)].tolist()
         for layer, weights in enumerate(prompt_attention(model, ids)):
