@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-import data.text
 import data
+import data.text
 from data import CharTokenizer, Corpus, check_split_sizes, eval_windows, get_batch, load_corpus
 from data.corpus import encode_corpus
 from data.text import load_text

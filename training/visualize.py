@@ -85,8 +85,8 @@ def render_attention(maps: Sequence[Tensor | np.ndarray], chars: Sequence[str],
                     if ch == " ":  # ⎵: the default font lacks it
                         draw.line([(cx - 3, cy - 1), (cx - 3, cy + 2), (cx + 3, cy + 2), (cx + 3, cy - 1)], fill=GREY)
                     else:
-                        draw.text((cx, cy), {"\n": "\\n", "\t": "\\t", SEPARATOR: "¶"}.get(ch, ch), fill=GREY, font=font,
-                                  anchor="mm")
+                        label = {"\n": "\\n", "\t": "\\t", SEPARATOR: "¶"}.get(ch, ch)
+                        draw.text((cx, cy), label, fill=GREY, font=font, anchor="mm")
     x, y, width = lay.gap + 40, lay.size[1] - lay.scale + 6, 240  # scale: swatch for 0, then ramp
     ramp = colour(np.linspace(1e-9, 1, width) ** (1 / GAMMA))[None]  # (1, width, 3): even in colour
     image.paste(Image.fromarray(ramp).resize((width, 10), Image.NEAREST), (x, y))
