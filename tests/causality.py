@@ -160,9 +160,9 @@ def sequence_length(model: GPT) -> int:
     return model.config.block_size * (2 if model.endless else 1)
 
 
-def test_tokens(model: GPT, B: int = 4, seed: int = 1) -> Tensor:
-    """(B, sequence_length) random tokens; with documents, separators at places that differ row by row."""
-    x = random_tokens(B, sequence_length(model), model.config.vocab_size, seed)
+def test_tokens(model: GPT, B: int = 4, seed: int = 1, T: int | None = None) -> Tensor:
+    """(B, T or sequence_length) random tokens; with documents, separators at places that differ row by row."""
+    x = random_tokens(B, T or sequence_length(model), model.config.vocab_size, seed)
     sep = model.config.doc_sep
     if sep is not None:
         x[x == sep] = (sep + 1) % model.config.vocab_size
@@ -624,7 +624,7 @@ def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
         m, _ = model_from_checkpoint(ckpt, "cpu", attn_backend=backend, dropout=0.0)
         m = m.double().eval()
         length = T or min(16, m.config.block_size) + (m.config.block_size if m.endless else 0)
-        checks += model_checks(m, random_tokens(3, length, m.config.vocab_size))
+        checks += model_checks(m, test_tokens(m, 3, T=length))
     return checks
 
 
