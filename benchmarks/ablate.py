@@ -69,7 +69,8 @@ def check_plan(plan: dict) -> None:
 
 def run_train(base: str, overrides: dict, out_dir: Path) -> tuple[dict, float]:
     """Train in a fresh process; returns (summary.json, whole-process wall seconds)."""
-    cmd = [sys.executable, "train.py", base, *_args(overrides), f"--out_dir={out_dir}", "--tensorboard=false"]
+    cmd = [sys.executable, "train.py", base, *_args(overrides), f"--out_dir={out_dir}", "--tensorboard=false",
+           "--overwrite=true"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0

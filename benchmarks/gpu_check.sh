@@ -67,7 +67,7 @@ train_run() {  # CONFIG NAME TARGET [--field=value ...]: one training run throug
         status=1
         return
     fi
-    python benchmarks/bench.py "$config" --dataset="$DATA" --device="$DEVICE" --out_dir="$OUT_DIR/run" \
+    python benchmarks/bench.py "$config" --dataset="$DATA" --device="$DEVICE" --out_dir="$OUT_DIR/run" --overwrite=true \
         --target_val="$target" --json="$OUT_DIR/$name.json" "${TRAIN_ARGS[@]}" "$@" \
         >> "$LOG" 2>&1 || status=1
     grep -E '"(ms_per_step_median|tokens_per_second|train_seconds|mfu|final_val_loss)"' "$OUT_DIR/$name.json" \

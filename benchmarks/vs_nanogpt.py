@@ -69,7 +69,8 @@ def run_nanogpt(path: Path, tmp: Path, extra: tuple[str, ...] = ()) -> dict:
 def run_ours(config: str, extra: list[str], dataset: str, tmp: Path) -> dict:
     """One run of train.py on config; the figures from its summary.json."""
     out = tmp / "ours_out"
-    cmd = [sys.executable, "train.py", config, f"--dataset={dataset}", f"--out_dir={out}", *extra]  # logs as configured
+    cmd = [sys.executable, "train.py", config, f"--dataset={dataset}", f"--out_dir={out}", "--overwrite=true",
+           *extra]  # logs as configured; the last round's run is replaced
     wall, rss, rc = timed(cmd, ROOT, tmp / "ours.log")
     if rc != 0:
         raise RuntimeError(f"ours failed:\n{(tmp / 'ours.log').read_text()[-2000:]}")
