@@ -21,7 +21,16 @@ from training.distributed import close_distributed, init_distributed, launched_b
 from training.faults import RunGuard, exit_code, signal_name
 from training.log import RunLog, bpc, estimated_seconds, format_duration
 from training.optim import configure_optimizers
-from training.runtime import autocast_context, peak_flops, reproducible_blas, resolve_device, resolve_dtype, run_facts
+from training.runtime import (
+    autocast_context,
+    peak_flops,
+    record_speed,
+    reproducible_blas,
+    resolve_compile,
+    resolve_device,
+    resolve_dtype,
+    run_facts,
+)
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 LONG_RUN_SECONDS = 15 * 60  # a longer estimate without CUDA suggests the fast CPU recipe
@@ -50,13 +59,19 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
                              "(or paragraphs), a folder of files or an hf: dataset")
         model_cfg = cfg.model_config(tok.vocab_size, tok.stoi[SEPARATOR] if cfg.doc_mask else None)
         ckpt = checkpoint.checkpoint_to_resume(cfg, model_cfg, tok, device) if cfg.resume else None
-        if ckpt and cfg.dtype == "auto" and ckpt["config"].get("dtype", "auto") != "auto":
-            dtype, dtype_why = getattr(torch, ckpt["config"]["dtype"]), "the run's own, from its checkpoint"
+        kept = {k: ckpt["config"].get(k, "auto") for k in ("dtype", "compile")} if ckpt else {}  # a resume keeps them
+        if kept.get("dtype", "auto") != "auto" and cfg.dtype == "auto":
+            dtype, dtype_why = getattr(torch, kept["dtype"]), "the run's own, from its checkpoint"
         else:
             dtype, dtype_why = resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd))
-        cfg = cfg.replace(dtype=str(dtype).removeprefix("torch."))  # what ran: a resume keeps it
+        cfg = cfg.replace(dtype=str(dtype).removeprefix("torch."))  # what ran
+        if kept.get("compile", "auto") != "auto" and cfg.compile == "auto":
+            use_compile, compile_why = kept["compile"] == "true", "the run's own, from its checkpoint"
+        else:
+            steps = cfg.max_iters - (ckpt["step"] if ckpt else 0)
+            use_compile, compile_why = resolve_compile(cfg.compile, device, cfg, steps)
+        cfg = cfg.replace(compile=str(use_compile).lower())
         guard.float16, autocast = dtype == torch.float16, autocast_context(device, dtype)
-        use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device.type == "cuda")
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         # --- data (int32: half of int64), model, optimizers, resumed state ---
         train_data, val_data = (torch.from_numpy(s.astype(np.int32)).to(device) for s in (corpus.train, corpus.val))
@@ -88,8 +103,9 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
             checkpoint.write_json(out_dir / "config.json", facts)
         log = RunLog(cfg, model, peak_flops(device, cfg.peak_tflops), start, enabled=verbose and dist.is_main)
         log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, {tok.vocab_size} "
-                 f"symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']} ({dtype_why})"
-                 + (" compiled" if use_compile else "") + (f" | resumed at step {start}" if ckpt else "")
+                 f"symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']} ({dtype_why}) | "
+                 f"{'compiled' if use_compile else 'eager'} ({compile_why})"
+                 + (f" | resumed at step {start}" if ckpt else "")
                  + (f" | {dist.world_size} processes" if dist.enabled else ""))
         if moved:
             log.line(f"note: {moved}")
@@ -177,6 +193,8 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         summary = log.summary(facts, history, best_val_loss=best_val, final_val_loss=final_val, steps=done,
                               wall_seconds=time.perf_counter() - t_start, interrupted=interrupted)
         log.finish(summary, done, interrupted)
+        if device.type == "cpu" and dist.is_main:
+            record_speed(cfg, summary)
         return summary
     except KeyboardInterrupt:  # a second Ctrl-C: say what is on disk
         raise KeyboardInterrupt(guard.kept()) from None

@@ -4,6 +4,7 @@ evaluation, optimizers, and what a GPU step must not do (read the host, break th
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import tomllib
@@ -407,6 +408,69 @@ def test_the_bf16_probe_times_real_matmuls_without_touching_the_global_rng():
     state = torch.get_rng_state()
     ratios = {cpu_bf16_speedup(rows, width) for rows, width in ((64, 32), (256, 64))}
     assert all(r > 0 for r in ratios) and len(ratios) == 2 and torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("kept, steps, want", [
+    (None, 2000, False), ({"eager": 44.0, "compiled": 33.0, "compile_s": 4.0}, 2000, True),
+    ({"eager": 44.0, "compiled": 33.0, "compile_s": 4.0}, 300, False),
+    ({"eager": 44.0, "compiled": 33.0, "compile_s": 55.0}, 2000, False),
+    ({"eager": 40.0, "compiled": 41.0, "compile_s": 1.0}, 10 ** 6, False)],
+    ids=["never-measured", "pays", "too-short-for-its-compile", "cold-compile-too-dear", "no-gain"])
+def test_auto_compile_on_a_cpu_follows_this_machines_own_measured_runs_of_the_shape(monkeypatch, tmp_path, kept, steps,
+                                                                                   want):
+    """Compile where this machine's remembered eager and compiled runs of the same shape say the steps saved exceed
+    twice what compiling took; an explicit choice stands; CUDA compiles."""
+    import training.runtime as runtime
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg, cpu = TrainConfig(), torch.device("cpu")
+    if kept:
+        runtime.remembered(runtime.speed_key(cfg), update=lambda _: kept)
+    use, why = runtime.resolve_compile("auto", cpu, cfg, steps)
+    assert use == want and why.startswith("auto: "), why
+    assert runtime.resolve_compile("false", cpu, cfg, steps)[0] is False
+    assert runtime.resolve_compile("auto", torch.device("cuda"), cfg, steps)[0] is True
+
+
+def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choice(monkeypatch, tmp_path):
+    """A finished CPU run of >= 20 steps records its median ms/step (eager or compiled, with the compile's extra
+    seconds); a run that auto compiled resumes compiled, whatever the remembered speeds say by then."""
+    import training.runtime as runtime
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model: real_compile(model, backend="eager"))  # traced, not built
+    cfg = tiny_config(tmp_path, max_iters=24, eval_interval=8, exact_val=False, tensorboard=False)
+    train.train(cfg.replace(out_dir=str(tmp_path / "eager"), compile="false"), verbose=False)
+    train.train(cfg.replace(out_dir=str(tmp_path / "compiled"), compile="true"), verbose=False)
+    kept = runtime.remembered(runtime.speed_key(cfg.replace(dtype="float32")))[0]
+    assert kept.keys() == {"eager", "compiled", "compile_s"} and kept["eager"] > 0 and kept["compiled"] > 0
+    monkeypatch.setattr(train, "resolve_compile", lambda *a: (True, "pays"))
+    auto = cfg.replace(out_dir=str(tmp_path / "auto"), compile="auto")
+    train.train(auto.replace(max_iters=8), verbose=False)
+    monkeypatch.setattr(train, "resolve_compile", lambda *a: (False, "does not pay"))
+    resumed = train.train(auto.replace(resume=True), verbose=False)
+    assert resumed["steps_this_run"] == 16 and json.loads((tmp_path / "auto" / "config.json").read_text())["compile"]
+
+
+@pytest.mark.mask
+def test_an_edit_of_the_rule_reaches_compiled_training_too(tmp_path, monkeypatch):
+    """torch.compile traces `visible` into its graph; narrowing the rule must retrace it (dynamo guards the global),
+    so a compiled run learns otherwise; two unedited compiled runs agree (traced by the eager backend: the graph,
+    not inductor's kernels, is in question)."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model: real_compile(model, backend="eager"))
+    cfg = tiny_config(tmp_path, compile="true", max_iters=3, eval_interval=3, exact_val=False, tensorboard=False)
+
+    def losses(name: str) -> list[float]:
+        return [h["val_loss"] for h in train.train(cfg.replace(out_dir=str(tmp_path / name)), verbose=False)["history"]]
+
+    clean = losses("clean")
+    assert losses("again") == clean
+    substitute(monkeypatch, "visible", lambda q, k, *rest: REAL["visible"](q, k, *rest) & (k == q))
+    if losses("own-key-only")[-1] == clean[-1]:
+        pytest.fail("compiled training is the same with model/attention.py:visible narrowed: the compiled graph kept "
+                    "the old rule", pytrace=False)
 
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")

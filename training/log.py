@@ -71,7 +71,7 @@ class RunLog:
         self.bar = tqdm(total=cfg.max_iters, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
                         disable=not self.interactive)
         self.train_seconds, self.steps, self.interval_ms, self.mfu = 0.0, 0, [], None
-        self._mark, self._last = time.perf_counter(), (0, 0.0)  # (steps, train seconds) at last log
+        self._mark, self._last, self._first = time.perf_counter(), (0, 0.0), None  # (steps, train seconds) at logs
         self.writer = None
         if enabled and cfg.tensorboard:
             from tensorboard.plugins.hparams import summary_v2 as hp
@@ -111,6 +111,7 @@ class RunLog:
         loss_f, elapsed = loss.item(), self.train_seconds + time.perf_counter() - self._mark
         tok_s = self.steps * self.tokens_per_step / max(elapsed, 1e-9)
         self.interval_ms.append(1000 * (elapsed - self._last[1]) / (self.steps - self._last[0]))
+        self._first = self._first or (self.steps, elapsed)  # a compile's cost shows in the first interval
         self._last = (self.steps, elapsed)
         text = (f"loss {loss_f:.4f} ({bpc(loss_f):.3f} bpc) | lr {lr:.2e} | {self.interval_ms[-1]:.1f} ms/step | "
                 f"{tok_s:,.0f} tok/s")
@@ -185,10 +186,12 @@ class RunLog:
     def summary(self, facts: dict, history: list[dict], **figures: Any) -> dict:
         """figures plus bpc, run facts and this process's throughput."""
         seconds, final = self.train_seconds, figures["final_val_loss"]
+        median = float(np.median(self.interval_ms)) if self.interval_ms else None
         return {**figures, "final_val_bpc": None if final is None else bpc(final),
                 "last_val_estimate": history[-1]["val_loss"] if history else None,
                 **{k: facts[k] for k in ("params", "device", "dtype", "world_size")},
                 "peak_memory_mb": peak_memory_mb(torch.device(facts["device"])), "history": history,
                 "steps_this_run": self.steps, "train_seconds": seconds, "mfu": self.mfu,
                 "tokens_per_second": self.steps * self.tokens_per_step / seconds if seconds > 0 else None,
-                "ms_per_step_median": float(np.median(self.interval_ms)) if self.interval_ms else None}
+                "ms_per_step_median": median,
+                "first_log_excess_s": self._first[1] - self._first[0] * median / 1000 if self._first else None}

@@ -11,6 +11,7 @@ import sys
 import timeit
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy
 import torch
@@ -36,9 +37,11 @@ def reproducible_blas() -> None:
     os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
-def remembered(name: str, measure: Callable[[], float]) -> tuple[float, Path]:
-    """measure(), taken once per machine (CPU model, torch build, threads) and kept in
-    $XDG_CACHE_HOME/gpt-char/probes.json, so a decision never flips on one noisy timing; (value, that file)."""
+def remembered(name: str, measure: Callable[[], Any] | None = None, update: Callable[[Any], Any] | None = None
+               ) -> tuple[Any, Path]:
+    """What this machine (CPU model, torch build, threads) measured under `name`, kept in
+    $XDG_CACHE_HOME/gpt-char/probes.json so a decision never flips on one noisy timing: measure() once if nothing
+    is kept (None without it); update(kept) replaces what is kept. Returns (value, that file)."""
     path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-char" / "probes.json"
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
     key = f"{cpu or platform.processor()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {name}"
@@ -46,14 +49,45 @@ def remembered(name: str, measure: Callable[[], float]) -> tuple[float, Path]:
         probes = json.loads(path.read_text())
     except (OSError, ValueError):
         probes = {}
-    if key not in probes:
-        probes[key] = measure()
+    if update is not None or (key not in probes and measure is not None):
+        probes[key] = update(probes.get(key)) if update is not None else measure()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, probes)
         except OSError:  # a read-only home: measured at every start instead
             pass
-    return probes[key], path
+    return probes.get(key), path
+
+
+def speed_key(cfg: Any) -> str:
+    """What a step's speed depends on: the model's shape, the batch, dtype and backend."""
+    return (f"step ms {cfg.n_layer}x{cfg.n_head}x{cfg.n_embd} block {cfg.block_size} batch {cfg.batch_size}x"
+            f"{cfg.gradient_accumulation_steps} {cfg.dtype} {cfg.attn_backend} {cfg.pos_emb} qk_norm {cfg.qk_norm} "
+            f"window {cfg.attn_window} doc_mask {cfg.doc_mask} {cfg.optimizer}")
+
+
+def record_speed(cfg: Any, summary: dict) -> None:
+    """Keep this CPU run's median ms/step (and its compile's extra seconds) for compile='auto' to decide from."""
+    if summary["ms_per_step_median"] and summary["steps_this_run"] >= 20 and not summary["interrupted"]:
+        kind = "compiled" if cfg.compile == "true" else "eager"
+        new = {kind: summary["ms_per_step_median"]} | ({"compile_s": summary["first_log_excess_s"]}
+                                                        if kind == "compiled" else {})
+        remembered(speed_key(cfg), update=lambda kept: (kept or {}) | new)
+
+
+def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int) -> tuple[bool, str]:
+    """'auto' -> compile on CUDA; on a CPU where this machine's own runs of this shape say compiled steps are
+    faster by more than twice what compiling took (its runs are remembered: record_speed); else not. And why."""
+    if choice != "auto":
+        return choice == "true", "as configured"
+    if device.type != "cpu":
+        return device.type == "cuda", f"auto: {device.type}"
+    kept = remembered(speed_key(cfg))[0] or {}
+    if "eager" not in kept or "compiled" not in kept:
+        return False, "auto: its gain not measured here yet; --compile=true measures it"
+    saving, cost = steps * (kept["eager"] - kept["compiled"]) / 1000, kept["compile_s"]
+    return saving > 2 * cost, (f"auto: {kept['compiled']:.0f} vs {kept['eager']:.0f} ms/step here, {steps} steps "
+                               f"save {saving:.0f} s, compiling took {cost:.0f} s")
 
 
 def _cpuinfo() -> list[str]:
