@@ -1,23 +1,25 @@
 """Train a character-level GPT: python train.py [CONFIG.toml] [--field=value ...], or under torchrun (DDP).
 
-`train` reads top to bottom: checks, set-up, then per step lr -> eval/checkpoint -> forward/backward/step -> log.
+`train` reads top to bottom: set-up, then per step lr -> eval/checkpoint -> forward/backward/step -> log, then the
+exact val loss and the summary. `Run` holds what the steps share; each step's pieces are the functions below it.
 """
 
-import argparse
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 import training.checkpoint as checkpoint
-from data import SEPARATOR, check_split_sizes, get_batch, load_corpus
+from data import SEPARATOR, CharTokenizer, check_split_sizes, get_batch, load_corpus
 from model import GPT
-from training import Stopped, estimate_loss, exact_loss, help_text, parse_args, set_lr
-from training.distributed import close_distributed, init_distributed, launched_by_torchrun
+from training import Stopped, TrainConfig, estimate_loss, exact_loss, help_text, parse_args, set_lr
+from training.distributed import Dist, close_distributed, init_distributed, launched_by_torchrun
 from training.faults import RunGuard, exit_code, signal_name
 from training.log import RunLog, bpc, estimated_seconds, format_duration
 from training.optim import configure_optimizers
@@ -39,163 +41,58 @@ EVAL_TOKENS_PER_FORWARD = 4096  # fastest inference batch on a CPU (RESULTS.md)
 RUN_ERRORS = (ValueError, FloatingPointError, ConnectionError, ImportError, OSError)
 
 
-def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
-    """Run cfg (a TrainConfig), one rank under torchrun; returns summary.json's dict. verbose=False: no output."""
+@dataclass
+class Run:
+    """What the steps of one run share (set up by `set_up`)."""
+
+    cfg: TrainConfig
+    dist: Dist
+    guard: RunGuard
+    log: RunLog
+    tok: CharTokenizer
+    model: GPT  # the plain module: saves and the exact val use it
+    fwd: Any  # what trains: the model, compiled and/or wrapped in DDP
+    optimizers: list[torch.optim.Optimizer]
+    scaler: torch.amp.GradScaler
+    batch_gen: torch.Generator
+    splits: dict[str, torch.Tensor]  # "train", "val": (N,) token ids on the device
+    autocast: Any
+    start: int  # the step it starts (or resumes) at
+    resumed: bool
+    facts: dict
+    t_start: float
+    best_val: float = math.inf
+    history: list[dict] = field(default_factory=list)
+
+
+def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
+    """Run cfg, one rank under torchrun; returns summary.json's dict. verbose=False: no output."""
     t_start = time.perf_counter()
     out_dir, moved = checkpoint.run_folder(cfg)  # never into another run's folder, unless asked
     cfg = cfg.replace(out_dir=str(out_dir))
     dist = init_distributed(os.environ, cfg.device)
-    device = dist.device
-    ckpt_path = out_dir / checkpoint.CKPT_NAME
-    guard = RunGuard(device, ckpt_path, dist.enabled, announce=verbose and dist.is_main)
+    guard = RunGuard(dist.device, out_dir / checkpoint.CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
     try:
-        # --- checks that can fail, before writing to out_dir ---
-        micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank, same global batch
-        corpus = load_corpus(cfg.dataset, cfg.split, cfg.text_column, cfg.documents)
-        check_split_sizes(corpus, cfg.block_size)
-        tok = corpus.tokenizer
-        if cfg.doc_mask and SEPARATOR not in tok.stoi:
-            raise ValueError(f"doc_mask=true needs documents, and {corpus.name} is one text: give --documents=lines "
-                             "(or paragraphs), a folder of files or an hf: dataset")
-        model_cfg = cfg.model_config(tok.vocab_size, tok.stoi[SEPARATOR] if cfg.doc_mask else None)
-        ckpt = checkpoint.checkpoint_to_resume(cfg, model_cfg, tok, device) if cfg.resume else None
-        kept = {k: ckpt["config"].get(k, "auto") for k in ("dtype", "compile")} if ckpt else {}  # a resume keeps them
-        if kept.get("dtype", "auto") != "auto" and cfg.dtype == "auto":
-            dtype, dtype_why = getattr(torch, kept["dtype"]), "the run's own, from its checkpoint"
-        else:
-            dtype, dtype_why = resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd))
-        cfg = cfg.replace(dtype=str(dtype).removeprefix("torch."))  # what ran
-        if kept.get("compile", "auto") != "auto" and cfg.compile == "auto":
-            use_compile, compile_why = kept["compile"] == "true", "the run's own, from its checkpoint"
-        else:
-            steps = cfg.max_iters - (ckpt["step"] if ckpt else 0)
-            use_compile, compile_why = resolve_compile(cfg.compile, device, cfg, steps)
-        cfg = cfg.replace(compile=str(use_compile).lower())
-        guard.float16, autocast = dtype == torch.float16, autocast_context(device, dtype)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        # --- data (int32: half of int64), model, optimizers, resumed state ---
-        train_data, val_data = (torch.from_numpy(s.astype(np.int32)).to(device) for s in (corpus.train, corpus.val))
-        torch.manual_seed(cfg.seed)
-        batch_gen = torch.Generator(device=device).manual_seed(cfg.seed)
-        model = checkpoint.model_from_checkpoint(ckpt, device, dropout=cfg.dropout, attn_backend=cfg.attn_backend)[0] \
-            if ckpt else GPT(model_cfg).to(device)
-        optimizers = configure_optimizers(model, cfg)
-        scaler = torch.amp.GradScaler(device.type, enabled=guard.float16)
-        start, best_val, history = checkpoint.restore(ckpt, optimizers, batch_gen, device)
-        if not dist.is_main:  # a checkpoint holds rank 0's streams
-            torch.manual_seed(dist.seed(cfg.seed, start))
-            batch_gen.manual_seed(dist.seed(cfg.seed, start))
-        fwd = torch.compile(model) if use_compile else model  # saves use `model`
-        ddp_fwd = dist.wrap(fwd)
-        facts = {"config": cfg.to_dict(), "run": run_facts(argv or []), "device": str(device),
-                 "dtype": str(dtype).removeprefix("torch."), "compile": use_compile, "params": model.num_params(),
-                 "corpus": corpus.name, "world_size": dist.world_size}
-        if dist.is_main:
-            try:
-                out_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); give "
-                                 "another --out_dir") from None
-            checkpoint.remove_partial_saves(out_dir)
-            if cfg.overwrite and not cfg.resume:  # the old run's curves would mix with this one's
-                for old in [*out_dir.glob("events.out.tfevents.*"), out_dir / "summary.json"]:
-                    old.unlink(missing_ok=True)
-            checkpoint.write_json(out_dir / "config.json", facts)
-        log = RunLog(cfg, model, peak_flops(device, cfg.peak_tflops), start, enabled=verbose and dist.is_main)
-        log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, {tok.vocab_size} "
-                 f"symbols | {model.num_params() / 1e6:.2f}M params | {device} {facts['dtype']} ({dtype_why}) | "
-                 f"{'compiled' if use_compile else 'eager'} ({compile_why})"
-                 + (f" | resumed at step {start}" if ckpt else "")
-                 + (f" | {dist.world_size} processes" if dist.enabled else ""))
-        if moved:
-            log.line(f"note: {moved}")
-        if device.type != "cuda" and verbose and dist.is_main:
-            seconds, forward = estimated_seconds(model, cfg, start, len(val_data), device, autocast)
-            log.line(f"estimated duration on this machine: {format_duration(seconds)} (one forward of a "
-                     f"{cfg.batch_size}x{cfg.block_size} batch: {forward:.2f} s)")
-            if seconds > LONG_RUN_SECONDS and not (argv and Path(argv[0]).name == "shakespeare_char_cpu_fast.toml"):
-                fast = os.path.relpath(CONFIGS / "shakespeare_char_cpu_fast.toml")
-                log.line(f"this is a GPU-sized run for this machine; for a run of minutes: python train.py {fast}")
-        splits = {"train": train_data, "val": val_data}
-        group = 1 if use_compile else max(1, EVAL_TOKENS_PER_FORWARD // (cfg.batch_size * cfg.block_size))
-
-        def save(steps: int, **extra: str) -> None:  # never a NaN state
-            guard.check_before_save(model)
-            state = checkpoint.training_state(model, optimizers, cfg, tok, steps, best_val, batch_gen, history)
-            checkpoint.save_checkpoint(ckpt_path, {**state, **extra})
-
+        run = set_up(cfg, dist, guard, argv or [], verbose, t_start, moved)
         guard.arm()
-        # --- the loop ---
-        stop, done = None, start  # stopping signal; steps done
-        for step in range(start, cfg.max_iters + 1):
+        stop, done = None, run.start  # stopping signal; steps done
+        for step in range(run.start, cfg.max_iters + 1):
             last_step = step == cfg.max_iters
-            lr = set_lr(optimizers, step, cfg)
+            lr = set_lr(run.optimizers, step, cfg)
             if (step % cfg.eval_interval == 0 or last_step) and dist.is_main:
-                with log.paused(device):
-                    try:
-                        losses = estimate_loss(fwd, splits, cfg.batch_size, cfg.block_size, cfg.eval_iters,
-                                               cfg.seed + 1, device, autocast, group, guard.stopping, verbose)
-                    except Stopped:  # the estimate is dropped
-                        stop = guard.signum
-                        break
-                    if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
-                        guard.check_before_save(model)  # raises first if a train loss was non-finite
-                        raise FloatingPointError(f"the loss estimate at step {step} is not finite ({losses}); "
-                                                 f"stopped without saving: {guard.kept()}")
-                    history.append(log.evaluation(step, losses, t_start))
-                    log.snapshot(step, model, tok.chars, corpus.val)
-                    if losses["val"] < best_val or cfg.always_save_checkpoint:
-                        best_val = min(best_val, losses["val"])
-                        if step > start or (step > 0 and ckpt is None):  # not the state resumed from
-                            save(step)
+                stop = evaluate(run, step)
+                if stop is not None:
+                    break
             if last_step:
                 break
-            for micro in range(micro_steps):
-                x, y = get_batch(train_data, cfg.batch_size, cfg.block_size, batch_gen, device)
-                with dist.sync_gradients(ddp_fwd, last_micro_step=micro == micro_steps - 1):
-                    with autocast:
-                        _, loss = ddp_fwd(x, y)
-                    scaler.scale(loss / micro_steps).backward()
-                guard.observe(loss, step)  # device-side: no host read
-            grad_norm = None
-            if cfg.grad_clip > 0:
-                for opt in optimizers:
-                    scaler.unscale_(opt)  # clip the true gradients
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            for opt in optimizers:
-                scaler.step(opt)
-                opt.zero_grad(set_to_none=True)
-            scaler.update()
+            loss, grad_norm = train_step(run, step)
             done = step + 1
             log_step = step % cfg.log_interval == 0 or step == cfg.max_iters - 1
             stop = guard.poll(sync=log_step)  # raises on a non-finite loss
-            log.step_done(step, loss, lr, grad_norm, log_step)
+            run.log.step_done(step, loss, lr, grad_norm, log_step)
             if stop is not None:
                 break
-        # --- exact val loss (unless stopped), summary ---
-        final_val = None
-        if cfg.exact_val and stop is None and dist.is_main:
-            try:
-                with log.paused(device):
-                    windows = max(cfg.batch_size, EVAL_TOKENS_PER_FORWARD // cfg.block_size)
-                    final_val = exact_loss(model, val_data, cfg.block_size, windows, device, autocast, guard.stopping,
-                                           verbose)
-                log.line(f"exact val loss over all {len(val_data) - 1:,} val targets: {final_val:.4f} "
-                         f"({bpc(final_val):.3f} bpc)")
-            except Stopped:
-                stop = guard.signum
-        guard.disarm()  # from here a Ctrl-C exits at once
-        interrupted = None if stop is None else signal_name(stop)
-        if interrupted and dist.is_main:
-            save(done, interrupted=interrupted)
-            log.line(f"interrupted by {interrupted} after {done} steps: saved {ckpt_path} at step {done}; run the "
-                     "same command with --resume to continue")
-        summary = log.summary(facts, history, best_val_loss=best_val, final_val_loss=final_val, steps=done,
-                              wall_seconds=time.perf_counter() - t_start, interrupted=interrupted)
-        log.finish(summary, done, interrupted)
-        if device.type == "cpu" and dist.is_main:
-            record_speed(cfg, summary)
-        return summary
+        return finish(run, done, stop)
     except KeyboardInterrupt:  # a second Ctrl-C: say what is on disk
         raise KeyboardInterrupt(guard.kept()) from None
     finally:
@@ -203,13 +100,159 @@ def train(cfg, argv: list[str] | None = None, verbose: bool = True) -> dict:
         close_distributed(dist)
 
 
+def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbose: bool, t_start: float,
+           moved: str | None) -> Run:
+    """Everything that can fail before out_dir is written (corpus, sizes, resume, dtype and compile: a resume keeps
+    its run's), then the model, optimizers, resumed state, config.json and the first lines."""
+    device = dist.device
+    dist.micro_steps(cfg.gradient_accumulation_steps)  # refuses an accumulation the ranks cannot share
+    corpus = load_corpus(cfg.dataset, cfg.split, cfg.text_column, cfg.documents)
+    check_split_sizes(corpus, cfg.block_size)
+    tok = corpus.tokenizer
+    if cfg.doc_mask and SEPARATOR not in tok.stoi:
+        raise ValueError(f"doc_mask=true needs documents, and {corpus.name} is one text: give --documents=lines "
+                         "(or paragraphs), a folder of files or an hf: dataset")
+    model_cfg = cfg.model_config(tok.vocab_size, tok.stoi[SEPARATOR] if cfg.doc_mask else None)
+    ckpt = checkpoint.checkpoint_to_resume(cfg, model_cfg, tok, device) if cfg.resume else None
+    kept = ckpt["config"] if ckpt else {}  # a resume keeps its run's dtype and compile
+    dtype, dtype_why = resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd),
+                                     kept.get("dtype"))
+    cfg = cfg.replace(dtype=str(dtype).removeprefix("torch."))  # what ran
+    use_compile, compile_why = resolve_compile(cfg.compile, device, cfg, cfg.max_iters - kept.get("step", 0),
+                                               kept.get("compile"))
+    cfg = cfg.replace(compile=str(use_compile).lower())
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    # data (int32: half of int64), model, optimizers, resumed state
+    splits = {name: torch.from_numpy(s.astype(np.int32)).to(device) for name, s in (("train", corpus.train),
+                                                                                     ("val", corpus.val))}
+    torch.manual_seed(cfg.seed)
+    batch_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    model = checkpoint.model_from_checkpoint(ckpt, device, dropout=cfg.dropout, attn_backend=cfg.attn_backend)[0] \
+        if ckpt else GPT(model_cfg).to(device)
+    optimizers = configure_optimizers(model, cfg)
+    start, best_val, history = checkpoint.restore(ckpt, optimizers, batch_gen, device)
+    if not dist.is_main:  # a checkpoint holds rank 0's streams
+        torch.manual_seed(dist.seed(cfg.seed, start))
+        batch_gen.manual_seed(dist.seed(cfg.seed, start))
+    fwd = dist.wrap(torch.compile(model) if use_compile else model)  # saves use `model`
+    facts = {"config": cfg.to_dict(), "run": run_facts(argv), "device": str(device), "dtype": cfg.dtype,
+             "compile": use_compile, "params": model.num_params(), "corpus": corpus.name, "world_size": dist.world_size}
+    if dist.is_main:
+        checkpoint.prepare_run_folder(cfg, facts)
+    log = RunLog(cfg, model, peak_flops(device, cfg.peak_tflops), start, enabled=verbose and dist.is_main)
+    log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, {tok.vocab_size} symbols "
+             f"| {model.num_params() / 1e6:.2f}M params | {device} {cfg.dtype} ({dtype_why}) | "
+             f"{'compiled' if use_compile else 'eager'} ({compile_why})"
+             + (f" | resumed at step {start}" if ckpt else "")
+             + (f" | {dist.world_size} processes" if dist.enabled else ""))
+    if moved:
+        log.line(f"note: {moved}")
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits,
+              autocast_context(device, dtype), start, ckpt is not None, facts, t_start, best_val, history)
+    if device.type != "cuda" and log.enabled:
+        announce_duration(run, argv)
+    return run
+
+
+def announce_duration(run: Run, argv: list[str]) -> None:
+    """Without CUDA: the run's estimated duration here, and the CPU recipe's command for a GPU-sized one."""
+    cfg = run.cfg
+    seconds, forward = estimated_seconds(run.model, cfg, run.start, len(run.splits["val"]), run.dist.device,
+                                         run.autocast)
+    run.log.line(f"estimated duration on this machine: {format_duration(seconds)} (one forward of a "
+                 f"{cfg.batch_size}x{cfg.block_size} batch: {forward:.2f} s)")
+    if seconds > LONG_RUN_SECONDS and not (argv and Path(argv[0]).name == "shakespeare_char_cpu_fast.toml"):
+        fast = os.path.relpath(CONFIGS / "shakespeare_char_cpu_fast.toml")
+        run.log.line(f"this is a GPU-sized run for this machine; for a run of minutes: python train.py {fast}")
+
+
+def evaluate(run: Run, step: int) -> int | None:
+    """Estimate both losses, log them and a snapshot, save when val improves; the stop signal if one came."""
+    cfg, device = run.cfg, run.dist.device
+    group = 1 if cfg.compile == "true" else max(1, EVAL_TOKENS_PER_FORWARD // (cfg.batch_size * cfg.block_size))
+    with run.log.paused(device):
+        try:
+            losses = estimate_loss(run.fwd, run.splits, cfg, device, run.autocast, group, run.guard.stopping,
+                                   run.log.enabled)
+        except Stopped:  # the estimate is dropped
+            return run.guard.signum
+        if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
+            run.guard.check_before_save(run.model)  # raises first if a train loss was non-finite
+            raise FloatingPointError(f"the loss estimate at step {step} is not finite ({losses}); stopped without "
+                                     f"saving: {run.guard.kept()}")
+        run.history.append(run.log.evaluation(step, losses, run.t_start))
+        run.log.snapshot(step, run.model, run.tok.chars, run.splits["val"])
+        if losses["val"] < run.best_val or cfg.always_save_checkpoint:
+            run.best_val = min(run.best_val, losses["val"])
+            if step > run.start or (step > 0 and not run.resumed):  # not the state resumed from
+                save(run, step)
+    return None
+
+
+def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over gradient_accumulation_steps micro-batches: (last micro-batch's loss, grad norm)."""
+    cfg, dist, scaler = run.cfg, run.dist, run.scaler
+    micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank, same global batch
+    for micro in range(micro_steps):
+        x, y = get_batch(run.splits["train"], cfg.batch_size, cfg.block_size, run.batch_gen, dist.device)
+        with dist.sync_gradients(run.fwd, last_micro_step=micro == micro_steps - 1):
+            with run.autocast:
+                _, loss = run.fwd(x, y)
+            scaler.scale(loss / micro_steps).backward()
+        run.guard.observe(loss, step)  # device-side: no host read
+    grad_norm = None
+    if cfg.grad_clip > 0:
+        for opt in run.optimizers:
+            scaler.unscale_(opt)  # clip the true gradients
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    for opt in run.optimizers:
+        scaler.step(opt)
+        opt.zero_grad(set_to_none=True)
+    scaler.update()
+    return loss, grad_norm
+
+
+def save(run: Run, steps: int, **extra: str) -> None:
+    """Checkpoint the state after `steps` steps (never a NaN one)."""
+    run.guard.check_before_save(run.model)
+    state = checkpoint.training_state(run.model, run.optimizers, run.cfg, run.tok, steps, run.best_val, run.batch_gen,
+                                      run.history)
+    checkpoint.save_checkpoint(run.guard.ckpt_path, {**state, **extra})
+
+
+def finish(run: Run, done: int, stop: int | None) -> dict:
+    """The exact val loss (unless stopped), the save of a stopped run, the summary and its lines."""
+    cfg, log, device, final_val = run.cfg, run.log, run.dist.device, None
+    if cfg.exact_val and stop is None and run.dist.is_main:
+        try:
+            with log.paused(device):
+                windows = max(cfg.batch_size, EVAL_TOKENS_PER_FORWARD // cfg.block_size)
+                final_val = exact_loss(run.model, run.splits["val"], cfg.block_size, windows, device, run.autocast,
+                                       run.guard.stopping, log.enabled)
+            log.line(f"exact val loss over all {len(run.splits['val']) - 1:,} val targets: {final_val:.4f} "
+                     f"({bpc(final_val):.3f} bpc)")
+        except Stopped:
+            stop = run.guard.signum
+    run.guard.disarm()  # from here a Ctrl-C exits at once
+    interrupted = None if stop is None else signal_name(stop)
+    if interrupted and run.dist.is_main:
+        save(run, done, interrupted=interrupted)
+        log.line(f"interrupted by {interrupted} after {done} steps: saved {run.guard.ckpt_path} at step {done}; run "
+                 "the same command with --resume to continue")
+    summary = log.summary(run.facts, run.history, best_val_loss=run.best_val, final_val_loss=final_val, steps=done,
+                          wall_seconds=time.perf_counter() - run.t_start, interrupted=interrupted)
+    log.finish(summary, done, interrupted)
+    if device.type == "cpu" and run.dist.is_main:
+        record_speed(cfg, summary)
+    return summary
+
+
 def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
     """argv with this device's recipe prepended if it names no config, and a line saying which (or None)."""
     if argv and not argv[0].startswith("--"):
         return argv, None
-    only_device = argparse.ArgumentParser(add_help=False)
-    only_device.add_argument("--device", default="auto")  # --device=x and --device x
-    kind = resolve_device(only_device.parse_known_args(argv)[0].device).type
+    kind = resolve_device(parse_args(argv).device).type
     name, why = {"cuda": ("shakespeare_char.toml", "the baby GPT, for CUDA"),
                  "mps": ("shakespeare_char_cpu.toml", "nanoGPT's laptop recipe, for MPS")}.get(
         kind, ("shakespeare_char_cpu_fast.toml", "the fast CPU recipe: no CUDA GPU here"))

@@ -94,18 +94,15 @@ def check_split_sizes(corpus: Corpus, block_size: int) -> None:
                          f"{block_size + 1:,}. Use a longer corpus (val is its last 10 %) or {smaller}")
 
 
-def get_batch(data: np.ndarray | Tensor, batch_size: int, block_size: int,
-              generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """x, y (B, T) int64 from random windows data[i : i + T + 1] of data (N,) (numpy or tensor)."""
+def get_batch(data: Tensor, batch_size: int, block_size: int, generator: torch.Generator | None = None,
+              device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """x, y (B, T) int64 from random windows data[i : i + T + 1] of data (N,), offsets drawn on generator's device."""
     n = len(data)
     if n < block_size + 1:
         raise ValueError(f"data has {n} tokens; a batch needs at least block_size + 1 = {block_size + 1}")
-    where = generator.device if generator is not None else (data.device if isinstance(data, Tensor) else "cpu")
+    where = generator.device if generator is not None else data.device
     offsets = torch.randint(n - block_size, (batch_size,), generator=generator, device=where)  # last: n - T - 1
-    if isinstance(data, Tensor):
-        chunk = data[offsets.to(data.device)[:, None] + torch.arange(block_size + 1, device=data.device)].long()
-    else:
-        chunk = torch.from_numpy(data[offsets.numpy()[:, None] + np.arange(block_size + 1)].astype(np.int64))
+    chunk = data[offsets.to(data.device)[:, None] + torch.arange(block_size + 1, device=data.device)].long()
     return inputs_and_targets(chunk.to(device, non_blocking=True))
 
 
@@ -114,6 +111,6 @@ def inputs_and_targets(windows: Tensor) -> tuple[Tensor, Tensor]:
     return windows[:, :-1], windows[:, 1:]
 
 
-def eval_windows(data: np.ndarray | Tensor, block_size: int) -> list[tuple[int, int]]:
+def eval_windows(data: Tensor, block_size: int) -> list[tuple[int, int]]:
     """(start, length) windows whose targets cover data[1:] once, in order."""
     return [(s, min(block_size, len(data) - 1 - s)) for s in range(0, len(data) - 1, block_size)]

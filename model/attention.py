@@ -7,10 +7,14 @@ W window (attn_window).
 """
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:  # the config's module imports this one
+    from .gpt import GPTConfig
 
 
 def visible(q_pos: Tensor, k_pos: Tensor, window: int = 0, q_doc: Tensor | None = None,
@@ -144,22 +148,21 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: qkv projection, split heads, attend, merge heads, project.
 
-    backend "manual" runs `attention` above; "sdpa" runs PyTorch's fused kernel with the same mask. With
-    keep_weights set (the visualiser does), `weights` keeps the last forward's, from the manual path.
+    backend "manual" runs `attention` above; "sdpa" runs PyTorch's fused kernel with the same mask. `weights` gives
+    the attention weights explicitly (for the maps: sdpa does not return them).
     """
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, backend: str, qk_norm: bool,
-                 layer: int) -> None:
+    def __init__(self, config: "GPTConfig", layer: int) -> None:
         super().__init__()
-        self.n_head, self.backend, self.dropout, self.qk_norm, self.layer = n_head, backend, dropout, qk_norm, layer
-        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # one matmul for q, k and v
-        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.keep_weights = False
-        self.weights: Tensor | None = None
+        c = config
+        self.n_head, self.backend, self.dropout, self.qk_norm, self.layer = c.n_head, c.attn_backend, c.dropout, \
+            c.qk_norm, layer
+        self.qkv = nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias)  # one matmul for q, k and v
+        self.proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
 
-    def forward(self, x: Tensor, mask: Tensor, rope: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
-        """x (B, T, C) -> (B, T, C). mask: additive (T, Tk), Tk = cache.length + T with a cache (slot `layer`
-        gets this forward's keys and values); rope: (T, D/2) rotations, None with a learned table."""
+    def heads(self, x: Tensor, rope: Tensor | None = None, cache: KVCache | None = None) -> tuple[Tensor, ...]:
+        """x (B, T, C) -> q (B, H, T, D), k and v (B, H, Tk, D): split into heads, normed and rotated as configured,
+        after the cache's keys and values (slot `layer` gets these)."""
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # split into heads: 3 x (B, H, T, D)
@@ -169,14 +172,21 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)  # before caching: cached keys stay rotated
         if cache is not None:
             k, v = cache.append(self.layer, k, v)  # (B, H, Tk, D)
+        return q, k, v
+
+    def forward(self, x: Tensor, mask: Tensor, rope: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """x (B, T, C) -> (B, T, C). mask: additive (T, Tk) or (B, 1, T, Tk); rope: (T, D/2) rotations, None with a
+        learned table; cache: see heads."""
+        B, T, C = x.shape
+        q, k, v = self.heads(x, rope, cache)
         p = self.dropout if self.training else 0.0
-        if self.backend == "sdpa" and not self.keep_weights:
-            y = fused_attention(q, k, v, mask, p)  # (B, H, T, D)
-        else:
-            y, w = attention(q, k, v, mask, p)  # (B, H, T, D), (B, H, T, Tk)
-            self.weights = w if self.keep_weights else None
+        y = fused_attention(q, k, v, mask, p) if self.backend == "sdpa" else attention(q, k, v, mask, p)[0]
         y = y.transpose(1, 2).reshape(B, T, C)  # merge heads: (B, T, C)
         return F.dropout(self.proj(y), p)
+
+    def weights(self, x: Tensor, mask: Tensor, rope: Tensor | None = None) -> Tensor:
+        """The weights (B, H, T, T) this layer gives x (B, T, C) under mask, before dropout, on either backend."""
+        return attention(*self.heads(x, rope), mask)[1]
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:

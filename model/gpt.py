@@ -83,7 +83,7 @@ class Block(nn.Module):
         super().__init__()
         c = config
         self.ln_1 = nn.LayerNorm(c.n_embd, bias=c.bias)
-        self.attn = CausalSelfAttention(c.n_embd, c.n_head, c.dropout, c.bias, c.attn_backend, c.qk_norm, layer)
+        self.attn = CausalSelfAttention(c, layer)
         self.ln_2 = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.mlp = MLP(c)
 

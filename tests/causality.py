@@ -445,11 +445,11 @@ def check_rolling_cache(model: GPT, x: Tensor) -> Check:
 # --- label shift ---------------------------------------------------------------------------------
 
 def check_batch_shift(batch_size: int = 64, block_size: int = 8, n: int = 40) -> Check:
-    """On data 0, 1, 2, ... (as a numpy array, and as the tensor train.py batches from):
+    """On data 0, 1, 2, ... (int64, and int32 as train.py holds it):
     y[:, :-1] == x[:, 1:], y[:, -1] is the token after the window, y == x + 1, and the offsets
     reach the last valid window without running past the end."""
     wrong, reach_ends, window_ok, top, shifts = 0, True, True, 0, set()
-    for corpus in (np.arange(n, dtype=np.uint16), torch.arange(n)):
+    for corpus in (torch.arange(n), torch.arange(n, dtype=torch.int32)):  # int32: as train.py holds its splits
         x, y = data.get_batch(corpus, batch_size * 20, block_size, torch.Generator().manual_seed(0))
         starts = x[:, 0]
         wrong += ((y[:, :-1] != x[:, 1:]).sum() + (y[:, -1] != starts + block_size).sum() + (y != x + 1).sum()).item()
@@ -497,7 +497,7 @@ def check_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray, seed:
     """The loss model(x, y) gives for a get_batch batch equals mean CE(logits[:, t], corpus[i + t + 1]),
     computed by hand from the corpus itself (not from y), where i is found by locating x in the corpus."""
     T = model.config.block_size
-    x, y = data.get_batch(corpus, 4, T, torch.Generator().manual_seed(seed))
+    x, y = data.get_batch(torch.from_numpy(corpus.astype(np.int64)), 4, T, torch.Generator().manual_seed(seed))
     offsets = find_offsets(corpus, x)
     with torch.no_grad():
         logits, loss = model(x, y)
@@ -531,7 +531,7 @@ def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray)
                 losses.append(-torch.log_softmax(logits[0], -1).gather(-1, targets[:, None]))
             return torch.cat(losses).mean().item()
 
-        got = exact_loss(model, corpus, T, 3, "cpu")
+        got = exact_loss(model, tokens, T, 3, "cpu")
         quiet = abs(got - by_hand(1))
         fired = abs(got - by_hand(0))  # positive control: the unshifted targets give another number
     # exact_loss takes the cross-entropy of float32 logits (as in training): agreement to <1e-6, while a

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model import GPTConfig
 from model.attention import CausalSelfAttention, additive_mask, attention, causal_mask, fused_attention
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
@@ -142,8 +143,8 @@ def test_the_sdpa_backend_computes_the_manual_function_with_the_same_mask(dtype)
     """The module on both backends (float64: to 1e-12); in bf16 on a CPU, sdpa is float32 sdpa rounded,
     also under autocast, gradients included."""
     torch.manual_seed(0)
-    manual = CausalSelfAttention(32, 4, 0.0, True, "manual", False, 0).double()
-    fused = CausalSelfAttention(32, 4, 0.0, True, "sdpa", False, 0).double()
+    manual, fused = (CausalSelfAttention(GPTConfig(vocab_size=1, block_size=9, n_embd=32, n_head=4, bias=True,
+                                                   attn_backend=backend), 0).double() for backend in ("manual", "sdpa"))
     fused.load_state_dict(manual.state_dict())
     x = torch.randn(3, 9, 32, dtype=torch.float64)
     mask = additive_mask(causal_mask(9, 9), torch.float64)

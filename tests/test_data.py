@@ -98,20 +98,20 @@ def test_65536_distinct_characters_fit_a_token_and_one_more_is_refused():
         encode_corpus(text + chr(codes[65536]), "wider")
 
 
-def test_numpy_and_tensor_data_draw_the_same_windows_reaching_offset_n_minus_t_minus_1_and_no_further():
+def test_batches_draw_their_windows_from_the_generator_reaching_offset_n_minus_t_minus_1_and_no_further():
     n, T = 12, 8
-    ids = np.arange(n, dtype=np.uint16)
+    ids = torch.arange(n, dtype=torch.int32)  # as train.py holds a split
     x, y = get_batch(ids, 2000, T, gen(0))
-    xt, yt = get_batch(torch.from_numpy(ids.astype(np.int32)), 2000, T, gen(0))  # train.py's tensor
-    assert torch.equal(x, xt) and torch.equal(y, yt)
+    assert torch.equal(x, get_batch(ids, 2000, T, gen(0))[0])  # the same generator, the same windows
     assert not torch.equal(x, get_batch(ids, 2000, T, gen(1))[0])  # the control: the generator decides
     assert set(x[:, 0].tolist()) == set(range(n - T)) and y.max().item() == n - 1  # offsets 0 .. n - T - 1
+    assert x.dtype == y.dtype == torch.int64
 
 
 def test_a_batch_needs_block_size_plus_one_tokens():
-    assert get_batch(np.arange(9, dtype=np.uint16), 3, 8, gen(0))[0][:, 0].tolist() == [0, 0, 0]  # one fits
+    assert get_batch(torch.arange(9), 3, 8, gen(0))[0][:, 0].tolist() == [0, 0, 0]  # one fits
     with pytest.raises(ValueError, match=r"has 8 tokens; a batch needs at least block_size \+ 1 = 9"):
-        get_batch(np.arange(8, dtype=np.uint16), 1, 8, gen(0))
+        get_batch(torch.arange(8), 1, 8, gen(0))
 
 
 def test_eval_windows_cover_every_target_exactly_once_in_order_down_to_a_last_window_of_one():

@@ -300,7 +300,7 @@ def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention
         angle = positions * 10000.0 ** (-2 * i / D)
         torch.testing.assert_close(out[0, 0, :, 2 * i], torch.cos(angle).double())
         torch.testing.assert_close(out[0, 0, :, 2 * i + 1], torch.sin(angle).double())
-    attn = CausalSelfAttention(32, 4, 0.0, False, "manual", False, 0).double()
+    attn = CausalSelfAttention(GPTConfig(vocab_size=1, n_embd=32, n_head=4), 0).double()
     freqs = rope_frequencies(torch.arange(64), 8, dtype=torch.float64)
     x, mask = torch.randn(2, 6, 32, dtype=torch.float64), additive_mask(causal_mask(6, 6), torch.float64)
     torch.testing.assert_close(attn(x, mask, freqs[20:26]), attn(x, mask, freqs[:6]), rtol=0, atol=1e-12)

@@ -53,12 +53,13 @@ def test_losses_under_autocast_match_float64(model_and_data, device, dtype):
     model.to(device).double()
     with torch.no_grad():
         loss_ref = model(x, y)[1].item()
-    est_ref = estimate_loss(model, splits, 8, T, 4, 0, device)
+    spec = TrainConfig(batch_size=8, block_size=T, eval_iters=4)
+    est_ref = estimate_loss(model, splits, spec, device)
     exact_ref = exact_loss(model, data, T, N, device)
     model.float()
     with torch.no_grad(), autocast(device, dtype):
         _, loss = model(x, y)
-    est = estimate_loss(model, splits, 8, T, 4, 0, device, autocast(device, dtype))
+    est = estimate_loss(model, splits, spec, device, autocast(device, dtype))
     exact = exact_loss(model, data, T, N, device, autocast(device, dtype))
     model.cpu()
     assert loss.dtype == torch.float32, "the loss must come out of autocast in float32"
@@ -307,11 +308,12 @@ def test_an_estimate_is_the_same_however_its_batches_are_grouped_and_puts_the_mo
     model in the mode they found it in, train or eval, even when they fail."""
     model = C.leak_test_model("manual").float().train()
     data = {"val": torch.from_numpy(np.random.default_rng(0).integers(0, 13, 300))}
-    ests = [estimate_loss(model, data, 3, 10, 7, 0, "cpu", batches_per_forward=n)["val"] for n in (1, 3, 7)]
+    spec = TrainConfig(batch_size=3, block_size=10, eval_iters=7)
+    ests = [estimate_loss(model, data, spec, "cpu", batches_per_forward=n)["val"] for n in (1, 3, 7)]
     assert ests == pytest.approx([ests[0]] * 3, rel=1e-6)
     for mode in (True, False):
         model.train(mode)
-        estimate_loss(model, data, 3, 10, 1, 0, "cpu")
+        estimate_loss(model, data, spec.replace(eval_iters=1), "cpu")
         assert model.training == mode, f"an estimate left a model in {'train' if mode else 'eval'} mode otherwise"
         exact_loss(model, data["val"], 10, 4, "cpu")
         assert model.training == mode, f"exact_loss left a model in {'train' if mode else 'eval'} mode otherwise"
@@ -445,10 +447,11 @@ def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choic
     train.train(cfg.replace(out_dir=str(tmp_path / "compiled"), compile="true"), verbose=False)
     kept = runtime.remembered(runtime.speed_key(cfg.replace(dtype="float32")))[0]
     assert kept.keys() == {"eager", "compiled", "compile_s"} and kept["eager"] > 0 and kept["compiled"] > 0
-    monkeypatch.setattr(train, "resolve_compile", lambda *a: (True, "pays"))
+    real = train.resolve_compile  # what the measured speeds say, faked; what a resume keeps, real
+    monkeypatch.setattr(train, "resolve_compile", lambda *a: real(*a) if a[4] not in (None, "auto") else (True, ""))
     auto = cfg.replace(out_dir=str(tmp_path / "auto"), compile="auto")
     train.train(auto.replace(max_iters=8), verbose=False)
-    monkeypatch.setattr(train, "resolve_compile", lambda *a: (False, "does not pay"))
+    monkeypatch.setattr(train, "resolve_compile", lambda *a: real(*a) if a[4] not in (None, "auto") else (False, ""))
     resumed = train.train(auto.replace(resume=True), verbose=False)
     assert resumed["steps_this_run"] == 16 and json.loads((tmp_path / "auto" / "config.json").read_text())["compile"]
 

@@ -67,10 +67,20 @@ def run_folder(cfg: Any) -> tuple[Path, str | None]:
                                f"writes to {out.parent / name} (--resume continues that run, --overwrite replaces it)")
 
 
-def remove_partial_saves(out_dir: str | Path) -> None:
-    """Delete temporary files of killed writes."""
-    for tmp in Path(out_dir).glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
+def prepare_run_folder(cfg: Any, facts: dict) -> None:
+    """Create out_dir, delete temporary files of killed writes (and, with --overwrite, the replaced run's curves
+    and summary), and write config.json (facts)."""
+    out = Path(cfg.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); give another "
+                         "--out_dir") from None
+    stale = [*out.glob(".*.tmp"), *(out.glob("events.out.tfevents.*") if cfg.overwrite and not cfg.resume else ()),
+             *([out / "summary.json"] if cfg.overwrite and not cfg.resume else [])]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    write_json(out / "config.json", facts)
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:

@@ -3,8 +3,8 @@
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -35,36 +35,37 @@ def _bar(total: int, desc: str, show: bool) -> tqdm:
 
 
 @torch.no_grad()
-def estimate_loss(model: nn.Module, splits: dict[str, np.ndarray | Tensor], batch_size: int, block_size: int,
-                  eval_iters: int, seed: int, device: torch.device | str, autocast=None, batches_per_forward: int = 1,
-                  stop: Callable[[], bool] = lambda: False, show: bool = False) -> dict[str, float]:
-    """Mean loss over eval_iters batches (B, T) of each split (N,); raises Stopped if stop() before a forward."""
+def estimate_loss(model: nn.Module, splits: dict[str, Tensor], cfg: Any, device: torch.device | str,
+                  autocast=None, batches_per_forward: int = 1, stop: Callable[[], bool] = lambda: False,
+                  show: bool = False) -> dict[str, float]:
+    """Mean loss over cfg.eval_iters batches (cfg.batch_size, cfg.block_size) of each split (N,), drawn from a
+    generator seeded cfg.seed + 1 at every call (every eval reads the same windows; training's draw untouched);
+    raises Stopped if stop() before a forward."""
     out = {}
-    with evaluating(model), _bar(len(splits) * -(-eval_iters // batches_per_forward), "estimate", show) as bar:
+    n = cfg.eval_iters
+    with evaluating(model), _bar(len(splits) * -(-n // batches_per_forward), "estimate", show) as bar:
         for name, data in splits.items():
-            # reseeded per call: same windows each time, training's draw untouched
-            gen = torch.Generator(device=data.device if isinstance(data, Tensor) else "cpu").manual_seed(seed)
+            gen = torch.Generator(device=data.device).manual_seed(cfg.seed + 1)
             total = torch.zeros((), device=device)
-            for first in range(0, eval_iters, batches_per_forward):
+            for first in range(0, n, batches_per_forward):
                 if stop():
                     raise Stopped
-                group = [get_batch(data, batch_size, block_size, gen, device)
-                         for _ in range(min(batches_per_forward, eval_iters - first))]
+                group = [get_batch(data, cfg.batch_size, cfg.block_size, gen, device)
+                         for _ in range(min(batches_per_forward, n - first))]
                 x, y = (torch.cat(t) for t in zip(*group, strict=True))  # (n * B, T)
                 with autocast or contextlib.nullcontext():
                     _, loss = model(x, y)
                 total += loss.float() * len(group)  # len(group) equal-sized batch means
                 bar.update()
-            out[name] = (total / eval_iters).item()  # one sync per split
+            out[name] = (total / n).item()  # one sync per split
     return out
 
 
 @torch.no_grad()
-def exact_loss(model: nn.Module, data: np.ndarray | Tensor, block_size: int, batch_size: int,
+def exact_loss(model: nn.Module, data: Tensor, block_size: int, batch_size: int,
                device: torch.device | str, autocast=None, stop: Callable[[], bool] = lambda: False,
                show: bool = False) -> float:
     """Mean cross-entropy over each target of a split (N,) once, in its eval_windows window."""
-    data = data if isinstance(data, Tensor) else torch.from_numpy(data.astype(np.int64))
     windows = eval_windows(data, block_size)
     full = torch.tensor([s for s, n in windows if n == block_size], dtype=torch.long)
     chunks = [data[(s[:, None] + torch.arange(block_size + 1)).to(data.device)] for s in full.split(batch_size)]

@@ -16,7 +16,6 @@ class RunGuard:
 
     def __init__(self, device: torch.device, ckpt_path: str | Path, distributed: bool, announce: bool) -> None:
         self.ckpt_path, self.distributed, self.announce = Path(ckpt_path), distributed, announce
-        self.float16 = False  # set by train.py: advice adds the bfloat16 hint
         self.signum: int | None = None  # first stop signal
         self._first_bad = torch.full((), NO_STEP, dtype=torch.int64, device=device)
         self._bad_loss = torch.zeros((), dtype=torch.float32, device=device)
@@ -81,8 +80,8 @@ class RunGuard:
             raise self._error(f"{what} at step {first_bad}; stopped without saving anything from that step on")
 
     def _error(self, what: str) -> FloatingPointError:
-        advice = "Try a lower learning_rate or grad_clip > 0" + (", or dtype=bfloat16" if self.float16 else "")
-        return FloatingPointError(f"{what}: {self.kept()}. {advice}.")
+        return FloatingPointError(f"{what}: {self.kept()}. Try a lower learning_rate or grad_clip > 0 (in float16: "
+                                  "dtype=bfloat16).")
 
     def kept(self) -> str:
         """What a stopped run leaves on disk."""

@@ -75,9 +75,13 @@ def record_speed(cfg: Any, summary: dict) -> None:
         remembered(speed_key(cfg), update=lambda kept: (kept or {}) | new)
 
 
-def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int) -> tuple[bool, str]:
-    """'auto' -> compile on CUDA; on a CPU where this machine's own runs of this shape say compiled steps are
-    faster by more than twice what compiling took (its runs are remembered: record_speed); else not. And why."""
+def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int, kept: str | None = None
+                    ) -> tuple[bool, str]:
+    """'auto' -> the resumed run's `kept` choice; compile on CUDA; on a CPU where this machine's own runs of this
+    shape say compiled steps are faster by more than twice what compiling took (record_speed keeps them); else not.
+    And why."""
+    if choice == "auto" and kept not in (None, "auto"):
+        return kept == "true", KEPT
     if choice != "auto":
         return choice == "true", "as configured"
     if device.type != "cpu":
@@ -121,8 +125,15 @@ def bf16_pays(device: torch.device, rows: int, width: int, min_work: int = 2 ** 
     return speedup >= 1.5, f"bf16 {speedup:.2f}x float32 on this CPU, measured once: {where.as_posix()}"
 
 
-def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int]) -> tuple[torch.dtype, str]:
-    """'auto' -> bfloat16 where bf16_pays for matmul = (batch_size * block_size, n_embd), else float32; and why."""
+KEPT = "the run's own, from its checkpoint"
+
+
+def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int], kept: str | None = None
+                  ) -> tuple[torch.dtype, str]:
+    """'auto' -> the resumed run's `kept` dtype, else bfloat16 where bf16_pays for matmul = (batch_size * block_size,
+    n_embd), else float32; and why."""
+    if name == "auto" and kept not in (None, "auto"):
+        return getattr(torch, kept), KEPT
     if name == "auto":
         pays, why = bf16_pays(device, *matmul)
         return (torch.bfloat16 if pays else torch.float32), f"auto: {why}"

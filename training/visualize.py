@@ -101,17 +101,18 @@ def render_attention(maps: Sequence[Tensor | np.ndarray], chars: Sequence[str],
 
 @torch.no_grad()
 def prompt_attention(model: GPT, ids: Sequence[int]) -> list[Tensor]:
-    """Each layer's attention for one prompt, in eval mode: L float32 CPU tensors (H, T, T)."""
-    layers = [block.attn for block in model.blocks]
-    for attn in layers:
-        attn.keep_weights = True
+    """Each layer's attention for one prompt, in eval mode: L float32 CPU tensors (H, T, T), asked of each layer
+    with the inputs the forward gives it (a pre-hook), whatever its backend."""
+    maps: list[Tensor] = []
+    ask = lambda attn, args: maps.append(attn.weights(*args[:3])[0].float().cpu())  # args: x, mask, rope, cache
+    hooks = [block.attn.register_forward_pre_hook(ask) for block in model.blocks]
     try:
         with evaluating(model):
             model(torch.tensor([list(ids)], device=model.tok_emb.weight.device))
-        return [attn.weights[0].float().cpu() for attn in layers]
     finally:
-        for attn in layers:
-            attn.keep_weights, attn.weights = False, None
+        for hook in hooks:
+            hook.remove()
+    return maps
 
 
 def save_attention_png(path: str | Path, maps: Sequence[Tensor | np.ndarray], chars: Sequence[str]) -> Path:
