@@ -174,6 +174,6 @@ def help_text() -> str:
              "Trains a character-level GPT (no config: the recipe for this machine). The TOML file",
              "(e.g. configs/debug.toml) goes first, then overrides; a bare --flag sets a bool.", "", "fields:"]
     for f in FIELDS.values():
-        kind = "|".join(f.metadata["choices"] or (f.type.__name__,))
+        kind = "|".join(c or "''" for c in f.metadata["choices"] or (f.type.__name__,))
         lines += [f"  --{f.name}={kind}  (default: {f.default!r})", f"      {f.metadata['help']}"]
     return "\n".join(lines)
