@@ -74,6 +74,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     guard = RunGuard(dist.device, out_dir / checkpoint.CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
     try:
         run = set_up(cfg, dist, guard, argv or [], verbose, t_start, moved)
+        cfg = run.cfg  # with dtype and compile decided
         guard.arm()
         stop, done = None, run.start  # stopping signal; steps done
         for step in range(run.start, cfg.max_iters + 1):
