@@ -297,7 +297,7 @@ def test_an_sdpa_trained_run_draws_its_attention_maps_in_tensorboard_and_in_samp
     cfg = tiny_config(tmp_path, attn_backend="sdpa", max_iters=2, eval_interval=2, sample_tokens=0, exact_val=False)
     assert run_train(capsys, argv_for(cfg))[0] == 0
     acc = ea.EventAccumulator(cfg.out_dir, size_guidance={ea.IMAGES: 0}).Reload()
-    assert set(acc.Tags()["images"]) == {f"attention/layer_{layer}" for layer in range(cfg.n_layer)}
+    assert set(acc.Tags()["images"]) == {f"maps/attention_layer_{layer}" for layer in range(cfg.n_layer)}
     assert run_sample(capsys, f"--out_dir={cfg.out_dir}", "--prompt=ROMEO:", "--attention_png")[0] == 0
     pixels = np.asarray(Image.open(Path(cfg.out_dir) / "attention.png").convert("RGB"))
     assert ((pixels == HIGH).all(-1) | (pixels[..., 2] > pixels[..., 0] + 60)).sum() > 100  # blue: weights drawn
