@@ -56,6 +56,7 @@ class Run:
     scaler: torch.amp.GradScaler
     batch_gen: torch.Generator
     splits: dict[str, torch.Tensor]  # "train", "val": (N,) token ids on the device
+    micro_steps: int  # this rank's micro-batches per optimizer step
     autocast: Any
     start: int  # the step it starts (or resumes) at
     resumed: bool
@@ -106,7 +107,7 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     """Everything that can fail before out_dir is written (corpus, sizes, resume, dtype and compile: a resume keeps
     its run's), then the model, optimizers, resumed state, config.json and the first lines."""
     device = dist.device
-    dist.micro_steps(cfg.gradient_accumulation_steps)  # refuses an accumulation the ranks cannot share
+    micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank, same global batch; or refused
     corpus = load_corpus(cfg.dataset, cfg.split, cfg.text_column, cfg.documents)
     check_split_sizes(corpus, cfg.block_size)
     tok = corpus.tokenizer
@@ -149,7 +150,7 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     if moved:
         log.line(f"note: {moved}")
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits,
+    run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits, micro_steps,
               autocast_context(device, dtype), start, ckpt is not None, facts, t_start, best_val, history)
     if device.type != "cuda" and log.enabled:
         announce_duration(run, argv)
@@ -193,8 +194,7 @@ def evaluate(run: Run, step: int) -> int | None:
 
 def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over gradient_accumulation_steps micro-batches: (last micro-batch's loss, grad norm)."""
-    cfg, dist, scaler = run.cfg, run.dist, run.scaler
-    micro_steps = dist.micro_steps(cfg.gradient_accumulation_steps)  # per rank, same global batch
+    cfg, dist, scaler, micro_steps = run.cfg, run.dist, run.scaler, run.micro_steps
     for micro in range(micro_steps):
         x, y = get_batch(run.splits["train"], cfg.batch_size, cfg.block_size, run.batch_gen, dist.device)
         with dist.sync_gradients(run.fwd, last_micro_step=micro == micro_steps - 1):

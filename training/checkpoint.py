@@ -76,8 +76,9 @@ def prepare_run_folder(cfg: Any, facts: dict) -> None:
     except OSError as e:
         raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); give another "
                          "--out_dir") from None
-    stale = [*out.glob(".*.tmp"), *(out.glob("events.out.tfevents.*") if cfg.overwrite and not cfg.resume else ()),
-             *([out / "summary.json"] if cfg.overwrite and not cfg.resume else [])]
+    stale = list(out.glob(".*.tmp"))
+    if cfg.overwrite and not cfg.resume:  # the replaced run's curves would mix with this one's
+        stale += [*out.glob("events.out.tfevents.*"), out / "summary.json"]
     for path in stale:
         path.unlink(missing_ok=True)
     write_json(out / "config.json", facts)

@@ -5,6 +5,7 @@ import contextlib
 import math
 import sys
 import time
+import timeit
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,8 @@ def estimated_seconds(model: GPT, cfg: TrainConfig, start_step: int, n_val: int,
     x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=device)
     with evaluating(model), autocast:
         model(x)  # warm-up
-        n, t0 = 0, time.perf_counter()
-        while n < 2 or time.perf_counter() - t0 < 0.25:  # a stretch, not one lucky time slice of a busy machine
-            model(x)
-            n += 1
-        forward = (time.perf_counter() - t0) / n
+        n, seconds = timeit.Timer(lambda: model(x)).autorange()  # >= 0.2 s: not one lucky time slice of a busy machine
+        forward = seconds / n
     steps = cfg.max_iters - start_step
     # a step costs 3 forwards (backward ~ 2), an eval 2 * eval_iters
     forwards = 3 * steps * cfg.gradient_accumulation_steps + 2 * (steps // cfg.eval_interval + 1) * cfg.eval_iters

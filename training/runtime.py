@@ -86,11 +86,11 @@ def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int, kep
         return choice == "true", "as configured"
     if device.type != "cpu":
         return device.type == "cuda", f"auto: {device.type}"
-    kept = remembered(speed_key(cfg))[0] or {}
-    if "eager" not in kept or "compiled" not in kept:
+    runs = remembered(speed_key(cfg))[0] or {}
+    if "eager" not in runs or "compiled" not in runs:
         return False, "auto: its gain not measured here yet; --compile=true measures it"
-    saving, cost = steps * (kept["eager"] - kept["compiled"]) / 1000, kept["compile_s"]
-    return saving > 2 * cost, (f"auto: {kept['compiled']:.0f} vs {kept['eager']:.0f} ms/step here, {steps} steps "
+    saving, cost = steps * (runs["eager"] - runs["compiled"]) / 1000, runs["compile_s"]
+    return saving > 2 * cost, (f"auto: {runs['compiled']:.0f} vs {runs['eager']:.0f} ms/step here, {steps} steps "
                                f"save {saving:.0f} s, compiling took {cost:.0f} s")
 
 
