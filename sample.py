@@ -1,55 +1,57 @@
 """Sample from a checkpoint (default: newest out/**/ckpt.pt): text to stdout, speed to stderr."""
 
-import argparse
-import difflib
+import dataclasses
 import itertools
 import os
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from data import SEPARATOR, CharTokenizer, decode_utf8
 from model import GPT
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
-from training.config import MAX_SEED
+from training.config import check_fields, opt, parse_args, print_help
 from training.runtime import reproducible_blas
 from training.visualize import prompt_attention, save_attention_png
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse whose unknown-option error says "did you mean --top_k?"."""
-
-    def error(self, message: str) -> None:
-        words = [w.split("=")[0] for w in message.split() if w.startswith("--")]
-        close = [m for w in words for m in difflib.get_close_matches(w, self._option_string_actions, n=2)]
-        super().error(message + (f"; did you mean {' or '.join(close)}?" if close else ""))
+HELP_HEAD = ("usage: python sample.py [--option=value ...]", "", __doc__, "", "options:")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """sample.py's options, defaults shown by --help."""
-    p = Parser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out_dir", help="run dir holding ckpt.pt; None = newest under out/")
-    p.add_argument("--ckpt", help="checkpoint file instead of OUT_DIR/ckpt.pt")
-    p.add_argument("--prompt", help="text to continue; None = a newline, or a new document for a model trained on "
-                                    "documents (each sample then ends where its document does)")
-    p.add_argument("--prompt_file", help="UTF-8 file holding the prompt")
-    p.add_argument("--max_new_tokens", type=int, default=500, help="characters per sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; < 1 sharper, > 1 more random")
-    p.add_argument("--top_k", type=int, default=200, help="keep the k likeliest tokens (0 = all)")
-    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--num_samples", type=int, default=1, help="samples, one generator for all")
-    p.add_argument("--seed", type=int, default=1337, help="same seed, same text")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--no_cache", action="store_true", help="recompute the whole context per token")
-    p.add_argument("--slide", type=int, default=1, help="tokens a full window drops at once (1 = nanoGPT's crop)")
-    p.add_argument("--attention_png", nargs="?", const="", metavar="FILE", help="draw the prompt's "
-                   "attention maps into FILE (none: OUT_DIR/attention.png) instead of sampling")
-    return p
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SampleConfig:
+    """sample.py's options, parsed and validated as train.py's config is."""
+
+    PROGRAM: ClassVar[str] = "sample.py"
+    KEY: ClassVar[str] = "option"
+    FIELD: ClassVar[str] = "--"
+    USAGE: ClassVar[tuple[str, ...]] = HELP_HEAD
+
+    out_dir: str | None = opt(None, "run dir holding ckpt.pt; None = newest under out/")
+    ckpt: str | None = opt(None, "checkpoint file instead of OUT_DIR/ckpt.pt")
+    prompt: str | None = opt(None, "text to continue; None = a newline, or a new document for a model trained on "
+                                   "documents (each sample then ends where its document does)")
+    prompt_file: str | None = opt(None, "UTF-8 file holding the prompt")
+    max_new_tokens: int = opt(500, "characters per sample")
+    temperature: float = opt(0.8, "0 = greedy; < 1 sharper, > 1 more random")
+    top_k: int = opt(200, "keep the k likeliest tokens (0 = all)")
+    top_p: float = opt(1.0, "nucleus sampling mass (1 = off)")
+    num_samples: int = opt(1, "samples, one generator for all", rule=">= 1")
+    seed: int = opt(1337, "same seed, same text", rule="in [0, 2**62]")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
+    no_cache: bool = opt(False, "recompute the whole context per token")
+    slide: int = opt(1, "tokens a full window drops at once (1 = nanoGPT's crop)")
+    attention_png: str | None = opt(None, "draw the prompt's attention maps into FILE (a bare --attention_png: "
+                                          "OUT_DIR/attention.png) instead of sampling", bare="")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
-def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
+def load(args: SampleConfig) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
     """(eval model, tokenizer, prompt, prompt ids, checkpoint path) that args name."""
     prompt = args.prompt
     if args.prompt_file:
@@ -79,7 +81,7 @@ def load(args: argparse.Namespace) -> tuple[GPT, CharTokenizer, str, list[int], 
     return model.eval(), tok, prompt, tok.encode(prompt), path
 
 
-def attention_png(args: argparse.Namespace) -> None:
+def attention_png(args: SampleConfig) -> None:
     """Draw each layer's and head's attention over the prompt's last block_size characters."""
     model, _, prompt, full, ckpt = load(args)
     prompt, ids = prompt[-model.config.block_size:], full[-model.config.block_size:]
@@ -94,13 +96,9 @@ def attention_png(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
-def sample(args: argparse.Namespace) -> None:
+def sample(args: SampleConfig) -> None:
     """Stream args.num_samples continuations to stdout: dashed lines between them; a model trained on documents
     stops each at the end of its document (the next separator), and documents of one line take a line each."""
-    if args.num_samples < 1:
-        raise ValueError(f"--num_samples must be >= 1, got {args.num_samples}")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise ValueError(f"--seed must be in [0, 2**62], got {args.seed}")
     model, tok, prompt, ids, _ = load(args)
     sep = tok.stoi.get(SEPARATOR)
     between = "" if sep is not None and "\n" not in tok.stoi else "-" * 40 + "\n"
@@ -124,9 +122,12 @@ def sample(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line; exit status 0, or 1 for a refused option or input."""
+    argv = sys.argv[1:] if argv is None else argv
     reproducible_blas()
-    args = build_parser().parse_args(argv)
+    if print_help(argv, SampleConfig):
+        return 0
     try:
+        args = parse_args(argv, SampleConfig)
         attention_png(args) if args.attention_png is not None else sample(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ import torch
 import training.checkpoint as checkpoint
 from data import SEPARATOR, CharTokenizer, check_split_sizes, get_batch, load_corpus
 from model import GPT
-from training import Stopped, TrainConfig, estimate_loss, exact_loss, help_text, parse_args, set_lr
+from training import Stopped, TrainConfig, estimate_loss, exact_loss, parse_args, print_help, set_lr
 from training.distributed import Dist, close_distributed, init_distributed, launched_by_torchrun
 from training.faults import RunGuard, exit_code, signal_name
 from training.log import RunLog, bpc, estimated_seconds, format_duration
@@ -264,11 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command line; returns exit status (0 done, 1 error, 128 + N stopped by signal N)."""
     argv = sys.argv[1:] if argv is None else argv
     reproducible_blas()
-    if "-h" in argv or "--help" in argv:
-        try:
-            print(help_text(), flush=True)
-        except BrokenPipeError:  # `python train.py --help | head`
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if print_help(argv, TrainConfig):
         return 0
     quiet = launched_by_torchrun(os.environ) and os.environ.get("LOCAL_RANK") != "0"  # errors once per node
     try:
