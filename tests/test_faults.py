@@ -1,11 +1,7 @@
-"""Faults: SIGINT/SIGTERM between steps and inside evaluations, a second Ctrl-C, SIGKILL during saves, a
-non-finite loss, a full disk.
-
-Signals from outside go to real processes: one `python train.py` (SIGTERM; started when this module
-starts, so it boots while the other tests run, and checked last) and forks of this process running
-train.main (torch is imported already: a child starts in milliseconds). A signal at an exact moment
-is sent by the model's own forward, in this process.
-"""
+"""Faults: SIGINT/SIGTERM between steps and inside evaluations, a second Ctrl-C, SIGKILL during saves, a non-finite
+loss or weight, a full disk. Signals from outside go to one `python train.py` (started with this module, so it boots
+meanwhile; checked last) and to forks of this process running train.main (torch imported: they start in ms). A signal
+at an exact moment comes from the model's own forward (patched before a fork, in the child too)."""
 
 from __future__ import annotations
 
@@ -34,6 +30,7 @@ from training import CKPT_NAME, load_checkpoint
 FORK = multiprocessing.get_context("fork")
 BIG = 100_000  # max_iters, eval_interval of a run only a signal ends
 M = 30  # the step every signalled run is resumed to (the signal comes at step ~6)
+NAN, INF = float("nan"), float("inf")
 
 
 def endless(folder: Path, **overrides):
@@ -61,37 +58,29 @@ def signal_at_step(pid: int, alive, log: Path, sig: int, step: int = 5) -> None:
         os.kill(pid, sig)
 
 
-def child(argv: list[str], log: str, setup=None) -> None:
-    """A forked training process: output to log, the signal handlers of a fresh interpreter, train.main."""
-    f = open(log, "w", buffering=1)
-    os.dup2(f.fileno(), 1)
-    os.dup2(f.fileno(), 2)
-    sys.stdout = sys.stderr = f
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if setup is not None:
-        setup()
-    sys.exit(train.main(argv))
-
-
 @pytest.fixture
 def fork_train():
-    """fork_train(argv, log, setup=None) -> a started child (child above); any left alive is killed after."""
+    """fork_train(argv, log) -> a started fork running train.main(argv) (output to log, a new process's handlers)."""
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo (~1.5 s) here, not in each child
     children = []
-    # torch.optim imports torch._dynamo on its first use (~1.5 s here): paid once, in this process, and
-    # not by every child
-    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
-    def start(argv: list[str], log: Path, setup=None) -> multiprocessing.Process:
-        children.append(FORK.Process(target=child, args=(argv, str(log), setup)))
+    def child(argv: list[str], log: str) -> None:
+        f = open(log, "w", buffering=1)
+        for fd in (1, 2):
+            os.dup2(f.fileno(), fd)
+        sys.stdout = sys.stderr = f
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.exit(train.main(argv))
+
+    def start(argv: list[str], log: Path) -> multiprocessing.Process:
+        children.append(FORK.Process(target=child, args=(argv, str(log))))
         children[-1].start()
         return children[-1]
-
     yield start
     for proc in children:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        proc.kill()  # a no-op unless it is still running
+        proc.join()
 
 
 def temp_files(out: Path) -> set[str]:
@@ -118,7 +107,6 @@ def own_handlers():
     """Handlers of the test's own that fail if run: a signal train() misses fails the test, not pytest."""
     def mine(signum, frame):
         raise AssertionError(f"{signal.Signals(signum).name} reached the test's own handler")
-
     previous = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
     yield mine
     for s, h in previous.items():
@@ -135,80 +123,50 @@ def instrument(monkeypatch, act) -> collections.Counter:
         counts[kind] += 1
         logits, loss = real(self, idx, targets, cache)
         return logits, act(self, kind, counts, loss)
-
     monkeypatch.setattr(GPT, "forward", forward)
     return counts
 
 
-def kill_self(sig: int) -> None:
-    os.kill(os.getpid(), sig)  # its Python handler runs before the next bytecode
+def sigints_at(n: int, times: int = 1):
+    """An act (instrument) sending its process `times` SIGINTs from the n-th training forward (step n - 1)."""
+    def act(model, kind, counts, loss):
+        for _ in range(times if (kind, counts[kind]) == ("train", n) else 0):
+            os.kill(os.getpid(), signal.SIGINT)  # its Python handler runs before the next bytecode
+        return loss
+    return act
+
+
+def loss_times(value: float, n: int):
+    """An act (instrument) multiplying the loss of the n-th training forward by value."""
+    return lambda model, kind, counts, loss: loss * value if (kind, counts[kind]) == ("train", n) else loss
 
 
 # --- SIGINT / SIGTERM ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """An uninterrupted run of M steps: what every signalled run must resume to."""
-    cfg = endless(tmp_path_factory.mktemp("straight"), max_iters=M)
-    train.train(cfg, verbose=False)
-    return load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)
-
-
-def check_stopped_by(name: str, code: int, rc: int, cfg, log: Path, straight) -> None:
-    """rc, the messages, ckpt.pt and summary.json of a run stopped by `name`; then resume it to M."""
-    out, text = Path(cfg.out_dir), log.read_text()
-    assert rc == code, text
-    summary = json.loads((out / "summary.json").read_text())
-    n = summary["steps"]
-    assert summary["interrupted"] == name and 6 <= n < M and summary["final_val_loss"] is None
-    assert f"received {name}: stopping at the end of this step" in text
-    assert f"interrupted by {name} after {n} steps: saved {out / CKPT_NAME} at step {n}" in text
-    ckpt = load_checkpoint(out / CKPT_NAME)
-    assert ckpt["step"] == n and ckpt["interrupted"] == name
-    assert train.train(cfg.replace(resume=True, max_iters=M), verbose=False)["steps_this_run"] == M - n
-    resumed = load_checkpoint(out / CKPT_NAME)
-    assert resumed["step"] == straight["step"] == M
-    for key, value in straight["model"].items():
-        assert torch.equal(resumed["model"][key], value), key
-
-
-def test_sigint_mid_training_saves_its_last_step_exits_130_and_resumes_to_the_same_weights(tmp_path, straight,
-                                                                                           fork_train):
-    cfg, log = endless(tmp_path), tmp_path / "log.txt"
-    proc = fork_train(cli_args(cfg), log)
-    signal_at_step(proc.pid, proc.is_alive, log, signal.SIGINT)
-    proc.join(timeout=60)
-    check_stopped_by("SIGINT", 130, proc.exitcode, cfg, log, straight)
-
-
 @pytest.mark.parametrize("when", ["first_estimate", "exact_val"])
 def test_sigterm_inside_an_evaluation_ends_the_run_at_once_saving_the_last_completed_step(
         tmp_path, monkeypatch, capsys, own_handlers, when):
-    """The step-0 estimate (64 forwards here) or the final exact val pass (3) is cut at the next forward:
-    exit 143, the state of the last completed step saved, and nothing of the cut evaluation recorded."""
+    """The step-0 estimate (64 forwards here) or the final exact val pass (3) is cut at the next forward: exit 143,
+    the last completed step saved, nothing of the cut evaluation recorded; --resume then completes the run."""
     (tmp_path / "corpus.txt").write_text(TEXT * 1000, encoding="utf-8")  # 9.4k val tokens: 3 exact forwards
-    cfg = tiny_config(tmp_path, max_iters=6, tensorboard=False, exact_val=True,
-                      eval_iters=2048 if when == "first_estimate" else 2)
-    at_signal = {}
+    first, at_signal = when == "first_estimate", {}
+    cfg = tiny_config(tmp_path, max_iters=6, tensorboard=False, exact_val=True, eval_iters=2048 if first else 2)
 
     def act(model, kind, counts, loss):
-        if not at_signal and ((when == "first_estimate" and kind == "estimate" and counts[kind] == 3)
-                              or (when == "exact_val" and kind == "other" and counts["train"] == 6)):
+        hit = (kind, counts[kind]) == ("estimate", 3) if first else (kind, counts["train"]) == ("other", 6)
+        if hit and not at_signal:
             at_signal.update(counts)
-            kill_self(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
         return loss
-
     counts = instrument(monkeypatch, act)
     assert train.main(cli_args(cfg)) == 143
     assert at_signal and counts == at_signal  # not one forward after the signal
-    out, step = Path(cfg.out_dir), 0 if when == "first_estimate" else 6
+    out, step, evals = Path(cfg.out_dir), 0 if first else 6, [] if first else [0, 3, 6]
     summary, ckpt = json.loads((out / "summary.json").read_text()), load_checkpoint(out / CKPT_NAME)
     assert summary["interrupted"] == ckpt["interrupted"] == "SIGTERM" and summary["steps"] == ckpt["step"] == step
-    evals = [] if when == "first_estimate" else [0, 3, 6]
     assert [h["step"] for h in ckpt["history"]] == [h["step"] for h in summary["history"]] == evals
-    assert summary["final_val_loss"] is None
-    assert f"interrupted by SIGTERM after {step} steps" in capsys.readouterr().out
-    if when == "first_estimate":  # the step-0 state is the initial model
+    assert summary["final_val_loss"] is None and f"interrupted by SIGTERM after {step} steps" in capsys.readouterr().out
+    if first:  # the step-0 state is the initial model
         torch.manual_seed(cfg.seed)
         init = GPT(cfg.model_config(len(ckpt["vocab"]["chars"]))).state_dict()
         assert all(torch.equal(ckpt["model"][k], v) for k, v in init.items())
@@ -217,64 +175,35 @@ def test_sigterm_inside_an_evaluation_ends_the_run_at_once_saving_the_last_compl
     assert json.loads((out / "summary.json").read_text())["final_val_loss"] is not None
 
 
-def test_a_second_ctrl_c_inside_a_step_exits_at_once_without_saving_that_step(tmp_path, fork_train):
-    """Two SIGINTs in one training step: the first asks for a stop at the step's end, the second exits at once
-    (130) from inside the step, so no interrupted state is saved."""
-    cfg, log = endless(tmp_path), tmp_path / "log.txt"
+@pytest.mark.parametrize("second", ["inside_the_step", "inside_the_final_save"])
+def test_a_second_ctrl_c_exits_at_once_with_130_saving_nothing(second, tmp_path, monkeypatch, fork_train):
+    """The first SIGINT (from the model) asks for a stop at the step's end; a second one exits at once: from the model
+    in the same step (no checkpoint yet), or from outside in the final save, made to hang (ckpt.pt untouched, the
+    abandoned save's temporary file removed)."""
+    in_step = second == "inside_the_step"
+    cfg, log = endless(tmp_path, eval_interval=BIG if in_step else 2), tmp_path / "log.txt"
+    path, real_save = Path(cfg.out_dir) / CKPT_NAME, torch.save
 
-    def setup():
-        real_forward, calls = GPT.forward, [0]
-
-        def forward(self, idx, targets=None, cache=None):
-            calls[0] += self.training
-            if self.training and calls[0] == 3:
-                kill_self(signal.SIGINT)
-                kill_self(signal.SIGINT)
-            return real_forward(self, idx, targets, cache)
-
-        GPT.forward = forward
-
-    proc = fork_train(cli_args(cfg), log, setup)
-    proc.join(timeout=60)
-    assert proc.exitcode == 130, log.read_text()
-    assert "exited at once without saving; no checkpoint was written" in log.read_text()
-    assert "interrupted by" not in log.read_text()
-    assert not (Path(cfg.out_dir) / CKPT_NAME).exists()
-
-
-def test_a_second_ctrl_c_exits_at_once_leaving_the_last_checkpoint_as_it_was(tmp_path, fork_train):
-    """The first SIGINT (from the model, at step 5) starts the final save, made to hang; a second one from
-    outside ends the process at once, and the abandoned save's temporary file is removed."""
-    cfg, log = endless(tmp_path, eval_interval=2), tmp_path / "log.txt"
-    out = Path(cfg.out_dir)
-
-    def setup():
-        real_forward, real_save, calls = GPT.forward, torch.save, [0]
-
-        def forward(self, idx, targets=None, cache=None):
-            calls[0] += self.training
-            if self.training and calls[0] == 6:
-                kill_self(signal.SIGINT)
-            return real_forward(self, idx, targets, cache)
-
-        def save(obj, f, *args, **kwargs):
-            if "interrupted" in obj:
-                f.write(b"partial")
-                print("HANGING IN THE FINAL SAVE", flush=True)
-                time.sleep(60)
-            return real_save(obj, f, *args, **kwargs)
-
-        GPT.forward, torch.save = forward, save
-
-    proc = fork_train(cli_args(cfg), log, setup)
-    wait_for(lambda: "HANGING IN THE FINAL SAVE" in text(log), "the final save", log)
-    saved_before, t0 = (out / CKPT_NAME).read_bytes(), time.monotonic()
-    os.kill(proc.pid, signal.SIGINT)
-    proc.join(timeout=30)
-    assert proc.exitcode == 130 and time.monotonic() - t0 < 10, log.read_text()
-    assert f"interrupted: exited at once without saving; {out / CKPT_NAME} is untouched" in log.read_text()
-    assert (out / CKPT_NAME).read_bytes() == saved_before and load_checkpoint(out / CKPT_NAME)["step"] == 4
-    assert temp_files(out) == set() and not (out / "summary.json").exists()
+    def save(obj, f, *args, **kwargs):
+        if "interrupted" in obj:
+            f.write(b"partial")
+            print("HANGING IN THE FINAL SAVE", flush=True)
+            time.sleep(60)
+        return real_save(obj, f, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", save)
+    instrument(monkeypatch, sigints_at(3, times=2) if in_step else sigints_at(6))  # in step 2, or step 5
+    proc = fork_train(cli_args(cfg), log)
+    if not in_step:
+        wait_for(lambda: "HANGING IN THE FINAL SAVE" in text(log), "the final save", log)
+        saved_before, t0 = path.read_bytes(), time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+    proc.join(timeout=60 if in_step else 30)
+    assert proc.exitcode == 130 and (in_step or time.monotonic() - t0 < 10), log.read_text()
+    kept = "no checkpoint was written" if in_step else f"{path} is untouched"
+    assert f"interrupted: exited at once without saving; {kept}" in log.read_text()
+    assert "interrupted by" not in log.read_text() and not (path.parent / "summary.json").exists()
+    assert not path.exists() if in_step else (path.read_bytes() == saved_before and load_checkpoint(path)["step"] == 4)
+    assert temp_files(path.parent) == set()
 
 
 def test_train_puts_the_signal_handlers_back_however_it_ends(tmp_path, monkeypatch, own_handlers):
@@ -284,10 +213,9 @@ def test_train_puts_the_signal_handlers_back_however_it_ends(tmp_path, monkeypat
         if kind == "train" and counts[kind] == 2:
             during.append(signal.getsignal(signal.SIGTERM))
             if ending == "sigterm":
-                kill_self(signal.SIGTERM)
-            return loss * (float("nan") if ending == "nan" else 1.0)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return loss * (NAN if ending == "nan" else 1.0)
         return loss
-
     counts = instrument(monkeypatch, act)
     for ending in ("done", "nan", "sigterm"):
         counts.clear()
@@ -303,18 +231,14 @@ def test_train_puts_the_signal_handlers_back_however_it_ends(tmp_path, monkeypat
 
 # --- SIGKILL at random moments during saves ---------------------------------------------------
 
-KILLS = 10
-
-
 def test_sigkill_at_random_moments_during_saves_always_leaves_a_checkpoint_that_loads_and_resumes(tmp_path, fork_train):
-    """A run saving a ~5 MB checkpoint every step is SIGKILLed at a random moment (0-20 ms) after a save
-    is seen starting, then resumed: every time ckpt.pt loads, and the next run resumes from its step.
-    The kills that left a temporary file show that they landed inside a save."""
+    """A run saving a ~5 MB checkpoint every step is SIGKILLed 0-20 ms after a save is seen starting, 10 times, and
+    resumed: ckpt.pt always loads and the next run resumes from its step; some kill must leave a temporary file."""
     cfg = endless(tmp_path, n_layer=2, n_head=4, n_embd=128, block_size=32, eval_interval=1, log_interval=BIG)
     out = Path(cfg.out_dir)
     path, rng, torn, step = out / CKPT_NAME, random.Random(0), 0, 0
     identity = lambda: (path.stat().st_ino, path.stat().st_mtime_ns)  # a rename over path changes it
-    for kill in range(KILLS):
+    for kill in range(10):
         log, leftovers = tmp_path / f"log{kill}.txt", temp_files(out)
         proc = fork_train(cli_args(cfg.replace(resume=kill > 0)), log)
         wait_for(path.exists, "the first checkpoint", log)
@@ -334,7 +258,7 @@ def test_sigkill_at_random_moments_during_saves_always_leaves_a_checkpoint_that_
     assert load_checkpoint(path)["step"] == step + 2 and temp_files(out) == set()
 
 
-# --- a non-finite loss, a full disk ------------------------------------------------------------
+# --- a non-finite loss or weight, a full disk --------------------------------------------------
 
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory):
@@ -345,75 +269,89 @@ def good_run(tmp_path_factory):
     return cfg
 
 
-@pytest.fixture
-def resumable(good_run, tmp_path):
-    shutil.copytree(good_run.out_dir, tmp_path / "out")
-    out = tmp_path / "out"
-    return good_run.replace(out_dir=str(out), resume=True), out / CKPT_NAME, (out / CKPT_NAME).read_bytes()
+def nan_weight(model, kind, counts, loss):
+    """An act (instrument): the last forward of step 6's estimate (resumed at 4: 2 forwards each) leaves a weight
+    nan, its own loss finite."""
+    if (kind, counts[kind]) == ("estimate", 4):
+        with torch.no_grad():
+            model.tok_emb.weight[0, 0] = NAN
+    return loss
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("caught_at", ["estimate", "log_step"])
-def test_a_non_finite_loss_stops_naming_its_step_and_leaves_the_last_checkpoint_byte_identical(
-        resumable, monkeypatch, capsys, value, caught_at):
-    """Resumed at step 4, step 7's loss is made non-finite: caught by the estimate of step 8 or by the
-    log step 10, the run names step 7 and exits 1, and ckpt.pt stays the step-4 file byte for byte."""
-    cfg, path, good = resumable
-    instrument(monkeypatch, lambda model, kind, counts, loss: loss * value if (kind, counts[kind]) == ("train", 4)
-               else loss)
-    rc = train.main(cli_args(cfg.replace(max_iters=20, log_interval=5, eval_interval=4 if caught_at == "estimate"
-                                         else BIG)))
+def disk_fills(obj, f, *args, **kwargs):
+    f.write(b"x" * 4096)  # some bytes reached the temporary file first
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+STEP_7 = "loss is {} at step 7; stopped without saving anything from that step on: {{path}} is untouched"
+
+
+@pytest.mark.parametrize("fault, fields, says", [
+    *((loss_times(v, 4), dict(max_iters=20, log_interval=5, eval_interval=every), [STEP_7.format(v)])
+      for v in (NAN, INF) for every in (4, BIG)),
+    (nan_weight, dict(max_iters=8), ["the model's weights are no longer finite; stopped without saving"]),
+    (disk_fills, dict(max_iters=8), ["intact", "could not write checkpoint {path}: No space left on device; the "
+                                     "previous checkpoint"])],
+    ids=["nan-estimate", "nan-log_step", "inf-estimate", "inf-log_step", "nan-weight", "full-disk"])
+def test_a_fault_stops_the_run_with_one_error_line_and_the_last_checkpoint_byte_identical(
+        good_run, tmp_path, monkeypatch, capsys, fault, fields, says):
+    """Resumed at step 4: step 7's loss made non-finite (caught by step 8's estimate or log step 10), a weight made
+    nan, or the disk full: exit 1, one error line naming it, ckpt.pt the step-4 file byte for byte, no temp file."""
+    path = shutil.copytree(good_run.out_dir, tmp_path / "out") / CKPT_NAME
+    good = path.read_bytes()
+    if fault is disk_fills:
+        monkeypatch.setattr(torch, "save", disk_fills)
+    else:
+        instrument(monkeypatch, fault)
+    rc = train.main(cli_args(good_run.replace(out_dir=str(path.parent), resume=True, **fields)))
     err = capsys.readouterr().err
     assert rc == 1, err
-    assert f"loss is {value} at step 7; stopped without saving anything from that step on: {path} is untouched" in err
-    assert path.read_bytes() == good
-
-
-def test_a_non_finite_loss_before_any_save_says_no_checkpoint_was_written(tmp_path, monkeypatch):
-    cfg = tiny_config(tmp_path, max_iters=20, log_interval=5, exact_val=False)
-    nan = float("nan")
-    instrument(monkeypatch, lambda model, kind, counts, loss: loss * nan if (kind, counts[kind]) == ("train", 3)
-               else loss)
-    with pytest.raises(FloatingPointError, match=r"loss is nan at step 2; .*: no checkpoint was written"):
-        train.train(cfg, verbose=False)
-    assert not (tmp_path / "out" / CKPT_NAME).exists()
-
-
-def test_non_finite_weights_are_never_saved(resumable, monkeypatch, capsys):
-    """The last forward of step 6's estimate leaves a weight nan (its own loss finite): the save refuses."""
-    cfg, path, good = resumable
-
-    def act(model, kind, counts, loss):
-        if (kind, counts[kind]) == ("estimate", 4):  # resumed at 4: estimates at 4 and 6, of 2 forwards each
-            with torch.no_grad():
-                model.tok_emb.weight[0, 0] = float("nan")
-        return loss
-
-    instrument(monkeypatch, act)
-    assert train.main(cli_args(cfg.replace(max_iters=8))) == 1
-    assert "the model's weights are no longer finite; stopped without saving" in capsys.readouterr().err
-    assert path.read_bytes() == good
-
-
-def test_a_full_disk_during_a_save_stops_with_one_error_line_and_the_previous_checkpoint_intact(
-        resumable, monkeypatch, capsys):
-    cfg, path, good = resumable
-
-    def disk_fills(obj, f, *args, **kwargs):
-        f.write(b"x" * 4096)  # some bytes reached the temporary file first
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(torch, "save", disk_fills)
-    assert train.main(cli_args(cfg.replace(max_iters=8))) == 1
-    err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if line.strip()]  # one line, no traceback
-    assert line.startswith("error: ") and "intact" in line
-    assert f"could not write checkpoint {path}: No space left on device; the previous checkpoint" in line
+    assert line.startswith("error: ") and all(s.format(path=path) in line for s in says), line
     assert path.read_bytes() == good and temp_files(path.parent) == set()
 
 
-def test_sigterm_mid_training_from_outside_python_train_py_exits_143_and_resumes_to_the_same_weights(
-        sigterm_run, straight):
-    """Last in the module: the `python train.py` started with it has had time to boot meanwhile."""
-    cfg, done, log = sigterm_run
-    check_stopped_by("SIGTERM", 143, done.result(timeout=60), cfg, log, straight)
+def test_a_non_finite_loss_before_any_save_says_no_checkpoint_was_written(tmp_path, monkeypatch):
+    instrument(monkeypatch, loss_times(NAN, 3))
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 2; .*: no checkpoint was written"):
+        train.train(tiny_config(tmp_path, max_iters=20, log_interval=5, exact_val=False), verbose=False)
+    assert not (tmp_path / "out" / CKPT_NAME).exists()
+
+
+# --- last: the `python train.py` started with this module has had time to boot ------------------
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted run of M steps: what every signalled run must resume to."""
+    cfg = endless(tmp_path_factory.mktemp("straight"), max_iters=M)
+    train.train(cfg, verbose=False)
+    return load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_to_the_same_weights(
+        name, sigterm_run, straight, tmp_path, fork_train):
+    """SIGINT to a forked train.main, SIGTERM to `python train.py` from outside: exit 130 / 143, the step reached
+    saved and named, and a resume to step M gives the weights of an uninterrupted run."""
+    if name == "SIGTERM":
+        cfg, done, log = sigterm_run
+        rc = done.result(timeout=60)
+    else:
+        cfg, log = endless(tmp_path), tmp_path / "log.txt"
+        proc = fork_train(cli_args(cfg), log)
+        signal_at_step(proc.pid, proc.is_alive, log, signal.SIGINT)
+        proc.join(timeout=60)
+        rc = proc.exitcode
+    out, said = Path(cfg.out_dir), log.read_text()
+    assert rc == {"SIGINT": 130, "SIGTERM": 143}[name], said
+    summary, ckpt = json.loads((out / "summary.json").read_text()), load_checkpoint(out / CKPT_NAME)
+    n = summary["steps"]
+    assert summary["interrupted"] == name and 6 <= n < M and summary["final_val_loss"] is None
+    assert f"received {name}: stopping at the end of this step" in said
+    assert f"interrupted by {name} after {n} steps: saved {out / CKPT_NAME} at step {n}" in said
+    assert ckpt["step"] == n and ckpt["interrupted"] == name
+    assert train.train(cfg.replace(resume=True, max_iters=M), verbose=False)["steps_this_run"] == M - n
+    resumed = load_checkpoint(out / CKPT_NAME)
+    assert resumed["step"] == straight["step"] == M
+    for key, value in straight["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
