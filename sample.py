@@ -17,7 +17,6 @@ from training.config import check_fields, opt, parse_args, print_help
 from training.runtime import reproducible_blas
 from training.visualize import prompt_attention, save_attention_png
 
-
 HELP_HEAD = ("usage: python sample.py [--option=value ...]", "", __doc__, "", "options:")
 
 

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+import timeit
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,9 @@ from data import SEPARATOR, CharTokenizer, check_split_sizes, get_batch, load_co
 from model import GPT
 from training import Stopped, TrainConfig, estimate_loss, exact_loss, parse_args, print_help, set_lr
 from training.distributed import Dist, close_distributed, init_distributed, launched_by_torchrun
+from training.evaluate import evaluating
 from training.faults import RunGuard, exit_code, signal_name
-from training.log import RunLog, bpc, estimated_seconds, format_duration
+from training.log import RunLog, bpc, format_duration
 from training.optim import configure_optimizers
 from training.runtime import (
     autocast_context,
@@ -160,13 +162,27 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
 def announce_duration(run: Run, argv: list[str]) -> None:
     """Without CUDA: the run's estimated duration here, and the CPU recipe's command for a GPU-sized one."""
     cfg = run.cfg
-    seconds, forward = estimated_seconds(run.model, cfg, run.start, len(run.splits["val"]), run.dist.device,
-                                         run.autocast)
+    seconds, forward = estimated_seconds(run)
     run.log.line(f"estimated duration on this machine: {format_duration(seconds)} (one forward of a "
                  f"{cfg.batch_size}x{cfg.block_size} batch: {forward:.2f} s)")
     if seconds > LONG_RUN_SECONDS and not (argv and Path(argv[0]).name == "shakespeare_char_cpu_fast.toml"):
         fast = os.path.relpath(CONFIGS / "shakespeare_char_cpu_fast.toml")
         run.log.line(f"this is a GPU-sized run for this machine; for a run of minutes: python train.py {fast}")
+
+
+@torch.no_grad()
+def estimated_seconds(run: Run) -> tuple[float, float]:
+    """(the run's seconds here, seconds per forward), timed on a zero batch (B, T)."""
+    cfg = run.cfg
+    x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=run.dist.device)
+    with evaluating(run.model), run.autocast:
+        run.model(x)  # warm-up
+        n, seconds = timeit.Timer(lambda: run.model(x)).autorange()  # >= 0.2 s: not one lucky slice of a busy machine
+    steps = cfg.max_iters - run.start
+    # a step costs 3 forwards (backward ~ 2), an eval 2 * eval_iters
+    forwards = 3 * steps * cfg.gradient_accumulation_steps + 2 * (steps // cfg.eval_interval + 1) * cfg.eval_iters
+    forwards += cfg.exact_val * len(run.splits["val"]) / (cfg.batch_size * cfg.block_size)
+    return seconds / n * forwards, seconds / n
 
 
 def evaluate(run: Run, step: int) -> int | None:

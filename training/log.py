@@ -5,7 +5,6 @@ import contextlib
 import math
 import sys
 import time
-import timeit
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,22 +40,6 @@ def format_duration(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.0f} h" if seconds < 172800 else f"{seconds / 86400:.0f} days"
-
-
-@torch.no_grad()
-def estimated_seconds(model: GPT, cfg: TrainConfig, start_step: int, n_val: int, device: torch.device,
-                      autocast) -> tuple[float, float]:
-    """(run seconds, seconds per forward), timed on a zero batch (B, T)."""
-    x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=device)
-    with evaluating(model), autocast:
-        model(x)  # warm-up
-        n, seconds = timeit.Timer(lambda: model(x)).autorange()  # >= 0.2 s: not one lucky time slice of a busy machine
-        forward = seconds / n
-    steps = cfg.max_iters - start_step
-    # a step costs 3 forwards (backward ~ 2), an eval 2 * eval_iters
-    forwards = 3 * steps * cfg.gradient_accumulation_steps + 2 * (steps // cfg.eval_interval + 1) * cfg.eval_iters
-    forwards += cfg.exact_val * n_val / (cfg.batch_size * cfg.block_size)
-    return forward * forwards, forward
 
 
 class RunLog:
