@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-import data
 import data.text
 from data import CharTokenizer, Corpus, check_split_sizes, eval_windows, get_batch, load_corpus
 from data.corpus import encode_corpus
@@ -28,12 +27,7 @@ SEP = data.text.SEPARATOR
 CORPUS = (TEXT * 25)[:2000]  # 1,800 / 100 / 100 characters, like the hub's tiny_shakespeare splits
 
 
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def test_the_bundled_corpus_is_tiny_shakespeare_split_as_nanogpt_splits_it_and_a_tampered_copy_is_refused(
-        tmp_path, monkeypatch):
+def test_the_bundled_corpus_is_tiny_shakespeare_split_as_in_nanogpt_and_a_tampered_copy_refused(tmp_path, monkeypatch):
     raw = (data.text.CORPORA / "tinyshakespeare.txt").read_bytes()
     assert len(raw) == 1_115_394 and hashlib.sha256(raw).hexdigest() == SHAKESPEARE_SHA256
     text, _ = load_text("shakespeare_char")
@@ -43,12 +37,12 @@ def test_the_bundled_corpus_is_tiny_shakespeare_split_as_nanogpt_splits_it_and_a
     assert tok.vocab_size == 65 and (n, len(corpus.val)) == (1_003_854, 111_540)
     assert tok.decode(corpus.train[:14]) == "First Citizen:" and tok.decode(corpus.train[-50:]) == text[n - 50:n]
     assert tok.decode(corpus.val) == text[n:]
-    (tmp_path / "intact").mkdir(), (tmp_path / "tampered").mkdir()
-    (tmp_path / "intact" / "tinyshakespeare.txt").write_bytes(raw)
-    (tmp_path / "tampered" / "tinyshakespeare.txt").write_bytes(raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])
+    for name, copy in (("intact", raw), ("tampered", raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])):  # 1 bit
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tinyshakespeare.txt").write_bytes(copy)
     monkeypatch.setattr(data.text, "CORPORA", tmp_path / "intact")
     assert load_text("shakespeare_char")[0].encode() == raw  # the control: the path is not what is refused
-    monkeypatch.setattr(data.text, "CORPORA", tmp_path / "tampered")  # one bit, same size
+    monkeypatch.setattr(data.text, "CORPORA", tmp_path / "tampered")
     with pytest.raises(ValueError, match="is not the bundled Tiny Shakespeare"):
         load_text("shakespeare_char")
 
@@ -98,18 +92,15 @@ def test_65536_distinct_characters_fit_a_token_and_one_more_is_refused():
         encode_corpus(text + chr(codes[65536]), "wider")
 
 
-def test_batches_draw_their_windows_from_the_generator_reaching_offset_n_minus_t_minus_1_and_no_further():
-    n, T = 12, 8
+def test_batches_draw_their_windows_from_the_generator_reaching_offset_n_minus_t_minus_1_and_need_t_plus_1_tokens():
+    n, T, gen = 12, 8, lambda seed: torch.Generator().manual_seed(seed)
     ids = torch.arange(n, dtype=torch.int32)  # as train.py holds a split
     x, y = get_batch(ids, 2000, T, gen(0))
     assert torch.equal(x, get_batch(ids, 2000, T, gen(0))[0])  # the same generator, the same windows
     assert not torch.equal(x, get_batch(ids, 2000, T, gen(1))[0])  # the control: the generator decides
     assert set(x[:, 0].tolist()) == set(range(n - T)) and y.max().item() == n - 1  # offsets 0 .. n - T - 1
     assert x.dtype == y.dtype == torch.int64
-
-
-def test_a_batch_needs_block_size_plus_one_tokens():
-    assert get_batch(torch.arange(9), 3, 8, gen(0))[0][:, 0].tolist() == [0, 0, 0]  # one fits
+    assert get_batch(torch.arange(9), 3, 8, gen(0))[0][:, 0].tolist() == [0, 0, 0]  # T + 1 tokens: one window fits
     with pytest.raises(ValueError, match=r"has 8 tokens; a batch needs at least block_size \+ 1 = 9"):
         get_batch(torch.arange(8), 1, 8, gen(0))
 
@@ -134,21 +125,17 @@ def test_a_folder_is_its_txt_files_in_sorted_path_order_without_hidden_ones(tmp_
         load_text(str(folder / "only_hidden"))
 
 
-def test_a_non_utf8_file_is_named_with_the_byte_offset_and_how_to_convert_it(tmp_path):
+def test_a_utf8_file_is_read_as_it_is_and_a_non_utf8_one_an_unknown_dataset_or_an_empty_corpus_is_refused(tmp_path):
+    path, bad = tmp_path / "corpus.txt", tmp_path / "texts" / "b.txt"
+    path.write_text(TEXT + "Äß\r\n", encoding="utf-8", newline="")
+    assert load_text(str(path)) == (TEXT + "Äß\r\n", str(path))
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text("fine\n", encoding="utf-8")
-    bad = tmp_path / "texts" / "b.txt"
     bad.write_bytes("café au lait\n".encode("latin-1"))
     for dataset in (bad, tmp_path / "texts"):
         with pytest.raises(ValueError, match=rf"{bad} is not UTF-8 text: invalid byte 0xe9 at byte offset 3\. "
                                              rf"Convert it first, e\.g\. iconv -f latin1 -t utf-8 {bad}"):
-            load_text(str(dataset))
-
-
-def test_a_utf8_file_is_read_as_it_is_and_an_unknown_dataset_or_an_empty_corpus_is_refused(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text(TEXT + "Äß\r\n", encoding="utf-8", newline="")
-    assert load_text(str(path)) == (TEXT + "Äß\r\n", str(path))
+            load_text(str(dataset))  # named with the byte offset and how to convert it
     with pytest.raises(ValueError, match="neither one of shakespeare_char, surnames, 'hf:NAME', an existing file nor"):
         load_text(str(tmp_path / "missing.txt"))
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
@@ -170,8 +157,7 @@ def test_a_split_too_short_is_named_with_the_largest_block_size_that_fits(n_trai
 
 @pytest.fixture
 def hf(tmp_path, monkeypatch):
-    """Offline datasets (imported: its flags, not only the environment), a cache of the test's own, sockets
-    that refuse to connect: no test can pass by reaching the Hub."""
+    """Offline datasets (its flags too), a cache of the test's own, sockets that refuse: no test reaches the Hub."""
     datasets = pytest.importorskip("datasets")
     import huggingface_hub.constants
 
@@ -211,7 +197,8 @@ def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(sa
         load_text(f"{saved}:test", split="train")
 
 
-def test_a_data_file_or_a_folder_of_them_loads_train_split_first_and_a_txt_file_keeps_its_line_breaks(hf, tmp_path):
+def test_a_data_file_or_a_folder_of_them_loads_train_split_first_and_txt_files_read_as_plain_text(hf, tmp_path):
+    """A .txt file keeps its line breaks, and a folder of them reads the text the plain folder loader reads."""
     rows = hf.Dataset.from_dict({"text": ["alpha\n", "beta\n"]})
     rows.to_parquet(tmp_path / "one.parquet")
     assert load_text(f"hf:{tmp_path / 'one.parquet'}")[0] == SEP + "alpha\n" + SEP + "beta\n"  # a row, a document
@@ -219,14 +206,10 @@ def test_a_data_file_or_a_folder_of_them_loads_train_split_first_and_a_txt_file_
     hf.Dataset.from_dict({"text": ["held out\n"]}).to_parquet(tmp_path / "repo" / "data" / "test.parquet")
     rows.to_parquet(tmp_path / "repo" / "data" / "train.parquet")
     assert load_text(f"hf:{tmp_path / 'repo'}")[0] == SEP + "alpha\n" + SEP + "beta\n" + SEP + "held out\n"  # train 1st
-    (tmp_path / "a.txt").write_text("line one\n\nline two", encoding="utf-8")
-    assert load_text(f"hf:{tmp_path / 'a.txt'}")[0] == SEP + "line one\n\nline two"  # a file, a document
-
-
-def test_a_folder_of_txt_files_as_hf_reads_the_text_the_plain_folder_loader_reads(tmp_path, hf):
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text("line one\n\nline two", encoding="utf-8")
     (tmp_path / "texts" / "b.txt").write_text("last line\n", encoding="utf-8")
+    assert load_text(f"hf:{tmp_path / 'texts' / 'a.txt'}")[0] == SEP + "line one\n\nline two"  # a file, a document
     assert load_text(f"hf:{tmp_path / 'texts'}")[0] == load_text(str(tmp_path / "texts"))[0]  # as plain text
 
 
@@ -263,9 +246,9 @@ def test_an_uncached_hub_id_offline_fails_in_seconds_saying_how_to_pass_a_local_
     assert os.environ["HF_HUB_OFFLINE"] == "1"
 
 
-def test_documents_are_a_files_lines_or_paragraphs_each_opened_by_the_separator(tmp_path):
-    """documents="lines": a document per non-empty line; "paragraphs": per blank-line-separated block; without it
-    a file is one text, as before; a document holding the separator is refused, naming it."""
+def test_documents_are_lines_or_paragraphs_each_opened_by_the_separator_which_predicts_their_first_char(tmp_path):
+    """documents="lines"/"paragraphs" (non-empty lines, blank-line-separated blocks; without it a file is one text);
+    one holding the separator is refused; at a boundary the last character predicts the separator."""
     path = tmp_path / "docs.txt"
     path.write_text("ab\n\ncd\nef\n", encoding="utf-8")
     assert load_text(str(path), documents="lines")[0] == SEP + "ab" + SEP + "cd" + SEP + "ef"
@@ -274,10 +257,6 @@ def test_documents_are_a_files_lines_or_paragraphs_each_opened_by_the_separator(
     path.write_text("ab\nc" + SEP + "d\n", encoding="utf-8")
     with pytest.raises(ValueError, match="document 1 contains U\\+001E, the document separator"):
         load_text(str(path), documents="lines")
-
-
-def test_at_a_document_boundary_the_separator_predicts_the_next_first_character_and_the_last_predicts_it(tmp_path):
-    path = tmp_path / "names.txt"
     path.write_text("ann\nbo\ncyd\n", encoding="utf-8")
     corpus = load_corpus(str(path), documents="lines")
     tok = corpus.tokenizer

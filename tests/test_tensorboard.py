@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import math
-import signal
 import time
 from pathlib import Path
 
@@ -19,12 +18,11 @@ from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.plugins.hparams import api_pb2, metadata
 
 import train
-from tiny import ROOT, tiny_config
+from tiny import ROOT, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, lr_at, parse_args
 from training.log import ATTENTION_CHARS
 from training.visualize import EMPTY, layout_for
 
-HPARAMS = {"n_layer", "n_embd", "learning_rate"}
 METRICS = {"loss/val_exact", "loss/val"}
 RECIPE = parse_args([str(ROOT / "configs" / "shakespeare_char_cpu_fast.toml")])  # the fast CPU recipe
 QUIET = contextlib.redirect_stdout(io.StringIO())  # a verbose run (the only kind that writes events), swallowed
@@ -51,22 +49,9 @@ def run(tmp_path_factory):
 def resumed(tmp_path_factory):
     """Ctrl-C in step 4, then --resume from the step-3 checkpoint (the stop's save lost): steps 3, 4 logged twice."""
     cfg = tiny_config(tmp_path_factory.mktemp("resume"), always_save_checkpoint=True, sample_tokens=0)
-    ckpt, calls, get_batch = Path(cfg.out_dir) / CKPT_NAME, [], train.get_batch
-
-    def batch_then_ctrl_c(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == 5:  # step 4's batch; ckpt.pt is the step-3 eval's save
-            ckpt.with_name("step3.pt").write_bytes(ckpt.read_bytes())
-            signal.raise_signal(signal.SIGINT)
-        return get_batch(*args, **kwargs)
-
-    previous = signal.signal(signal.SIGINT, lambda *_: None)  # unarmed guard: the run fails, not the session
-    try:
-        with pytest.MonkeyPatch.context() as mp, QUIET:
-            mp.setattr(train, "get_batch", batch_then_ctrl_c)
-            stopped = train.train(cfg)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    ckpt = Path(cfg.out_dir) / CKPT_NAME
+    with QUIET:  # the 5th batch is step 4's; ckpt.pt is then the step-3 eval's save
+        stopped = ctrl_c_in_batch(5, cfg, before=lambda: ckpt.with_name("step3.pt").write_bytes(ckpt.read_bytes()))
     before = events(cfg.out_dir)
     ckpt.with_name("step3.pt").replace(ckpt)
     first = min(Path(cfg.out_dir).glob("events.out.tfevents.*")).name.split(".")[3]  # its file's creation second
@@ -77,16 +62,17 @@ def resumed(tmp_path_factory):
     return cfg, stopped, before, t_resume, events(cfg.out_dir)
 
 
-def test_scalars_are_written_at_every_step_and_every_eval(run):
+def test_scalars_are_written_at_every_step_and_every_eval_and_the_fast_cpu_recipe_evaluates_at_least_8_times(run):
     cfg, acc = run
     every, evals = range(cfg.max_iters), sorted({*range(0, cfg.max_iters, cfg.eval_interval), cfg.max_iters})
-    last = [cfg.max_iters]
     expected = {"loss/train": every, "optim/lr": every, "optim/grad_norm": every, "speed/tokens_per_second": every,
-                "loss/val": evals, "loss/train_estimate": evals, "loss/val_bpc": evals, "loss/val_exact": last,
-                "loss/val_bpc_exact": last}
+                "loss/val": evals, "loss/train_estimate": evals, "loss/val_bpc": evals,
+                "loss/val_exact": [cfg.max_iters], "loss/val_bpc_exact": [cfg.max_iters]}
     for tag, want in expected.items():
         assert steps(acc, tag) == list(want), tag
     assert all(math.isclose(e.value, lr_at(e.step, cfg), rel_tol=1e-6) for e in acc.Scalars("optim/lr"))  # its step's
+    # the tiny run evaluates at the recipe's eval_interval / max_iters
+    assert RECIPE.max_iters // RECIPE.eval_interval + 1 >= 8 and len(evals) >= 8, "the recipe evaluates < 8 times"
 
 
 def test_bits_per_character_are_the_loss_over_ln_2(run):
@@ -99,7 +85,7 @@ def test_bits_per_character_are_the_loss_over_ln_2(run):
     assert math.isclose(acc.Scalars("loss/val_exact")[0].value, written["final_val_loss"], rel_tol=1e-6)
 
 
-def test_a_text_sample_continues_a_newline_at_every_eval(run):
+def test_a_text_sample_continuing_a_newline_and_attention_images_leaving_the_future_white_come_at_every_eval(run):
     cfg, acc = run
     samples = acc.Tensors("sample/text_summary")
     assert [e.step for e in samples] == steps(acc, "loss/val")
@@ -107,10 +93,7 @@ def test_a_text_sample_continues_a_newline_at_every_eval(run):
         lines = e.tensor_proto.string_val[0].decode().split("\n")  # each in a markdown code block: verbatim
         text = "\n".join(line.removeprefix("    ") for line in lines)
         assert all(line.startswith("    ") for line in lines) and text[0] == "\n" and len(text) == 1 + cfg.sample_tokens
-
-
-def test_attention_images_of_every_layer_at_every_eval_leave_the_future_white(run):
-    cfg, acc = run
+    # attention images: one tag per layer
     assert set(acc.Tags()["images"]) == {f"maps/attention_layer_{layer}" for layer in range(cfg.n_layer)}
     T = min(ATTENTION_CHARS, cfg.block_size)  # the val split's first characters
     lay, future = layout_for(1, cfg.n_head, T), np.triu(np.ones((T, T), dtype=bool), 1)  # future: key after query
@@ -127,25 +110,21 @@ def test_attention_images_of_every_layer_at_every_eval_leave_the_future_white(ru
                 assert (white == future).all(), (layer, head, e.step)  # and no allowed key is white
 
 
-def test_hparams_declare_the_metrics_and_hparams_and_name_the_session_by_out_dir(run):
+def test_hparams_declare_metrics_and_hparams_name_the_session_by_out_dir_and_end_it_as_the_run_ends(run, resumed):
     cfg, acc = run
     content = acc.PluginTagToContent("hparams")
     experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
-    assert {h.name for h in experiment.hparam_infos} == HPARAMS
+    assert {h.name for h in experiment.hparam_infos} == {"n_layer", "n_embd", "learning_rate"}
     assert {m.name.tag for m in experiment.metric_infos} == METRICS
     assert METRICS <= set(acc.Tags()["scalars"])  # every declared metric has values to show
     start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
     assert start.group_name == Path(cfg.out_dir).name  # short: the table shows it whole
     assert start.hparams["n_layer"].number_value == cfg.n_layer and start.hparams["optimizer"].string_value == "adamw"
-    tags = sorted(acc.Tags()["scalars"] + acc.Tags()["images"])
-    assert tags[0].startswith("loss/")  # TensorBoard's alphabetical order opens on the loss
-
-
-def test_a_finished_run_ends_its_session_with_success_and_an_interrupted_one_leaves_it_open(run, resumed):
-    _, stopped, before, _, after = resumed
+    assert sorted(acc.Tags()["scalars"] + acc.Tags()["images"])[0].startswith("loss/")  # TensorBoard's A-Z: loss first
+    _, stopped, before, _, after = resumed  # a finished run ends its session with success, an interrupted one not
     assert stopped["interrupted"] == "SIGINT"
-    for acc, finished in ((run[1], True), (before, False), (after, True)):
-        content = acc.PluginTagToContent("hparams")
+    for one, finished in ((acc, True), (before, False), (after, True)):
+        content = one.PluginTagToContent("hparams")
         ends = [metadata.parse_session_end_info_plugin_data(v).status for t, v in content.items()
                 if t == metadata.SESSION_END_INFO_TAG]
         assert metadata.SESSION_START_INFO_TAG in content and ends == ([api_pb2.STATUS_SUCCESS] if finished else [])
@@ -159,14 +138,8 @@ def test_a_resumed_run_leaves_one_point_per_step(resumed):
     assert all(e.wall_time >= t_resume for e in after.Scalars("loss/train") if e.step >= 3)  # the replayed ones
 
 
-def test_the_fast_cpu_recipe_evaluates_at_least_8_times(run):
-    assert RECIPE.max_iters // RECIPE.eval_interval + 1 >= 8
-    assert len(steps(run[1], "loss/val")) >= 8  # the tiny run at the recipe's eval_interval / max_iters
-
-
 def test_the_text_sample_draws_from_its_own_generator_so_the_weights_do_not_depend_on_it(tmp_path):
-    """With dropout (training draws from the global RNG), a run with TensorBoard and a 24-character sample at every
-    eval, one with no sample and one with no TensorBoard end with the same weights, bit for bit."""
+    """With dropout, runs with a sample at every eval, with none, and without TensorBoard end bit-identical."""
     weights = []
     for name, extra in (("sample", dict(sample_tokens=24)), ("no_sample", dict(sample_tokens=0)),
                         ("no_tensorboard", dict(tensorboard=False))):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import train
 from training import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,3 +31,22 @@ def tiny_config(folder: Path, **overrides: Any) -> TrainConfig:
 def cli_args(cfg: TrainConfig) -> list[str]:
     """cfg as train.py command-line overrides (every field, so nothing falls back to a recipe)."""
     return [f"--{k}={v}" for k, v in cfg.to_dict().items()]
+
+
+def ctrl_c_in_batch(batch: int, cfg: TrainConfig, before=lambda: None, **kwargs) -> dict:
+    """train.train(cfg, **kwargs), Ctrl-C raised in its batch-th get_batch after before()."""
+    calls, get_batch = itertools.count(1), train.get_batch
+
+    def batch_then_ctrl_c(*args, **kw):
+        if next(calls) == batch:
+            before()
+            signal.raise_signal(signal.SIGINT)
+        return get_batch(*args, **kw)
+
+    previous = signal.signal(signal.SIGINT, lambda *_: None)  # unarmed guard: the run fails, not the session
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(train, "get_batch", batch_then_ctrl_c)
+            return train.train(cfg, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
