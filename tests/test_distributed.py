@@ -1,7 +1,4 @@
-"""More than one process: one real torchrun run (2 ranks, gloo on the CPU) against single-process runs that
-replay its ranks' batches, and the rank helpers of training/distributed.py without a process group."""
-
-from __future__ import annotations
+"""A real torchrun run (2 ranks, gloo) against one process replaying its ranks' batches; the rank helpers alone."""
 
 import itertools
 import os
@@ -16,12 +13,13 @@ import train
 from data import get_batch
 from tiny import ROOT, cli_args, tiny_config
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint
-from training import distributed as dist_lib
 from training.distributed import Dist, init_distributed, launched_by_torchrun
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
 QUIET = dict(gradient_accumulation_steps=2, dtype="float32", tensorboard=False, exact_val=False,
              always_save_checkpoint=True)  # float32: the replay is compared to rounding
+gap = lambda a, b: max((a["model"][k] - w).abs().max().item() for k, w in b["model"].items())  # checkpoints' weights
+val_losses = lambda history: [h["val_loss"] for h in history]
 
 
 @pytest.fixture(scope="module")
@@ -45,22 +43,19 @@ def one_process(tmp_path, monkeypatch, name: str, streams: list[torch.Generator]
     return summary, load_checkpoint(tmp_path / name / CKPT_NAME)
 
 
-def test_two_ranks_end_with_the_weights_of_one_process_replaying_both_ranks_batches(two_ranks, tmp_path,
-                                                                                     monkeypatch):
-    """One process, gradient_accumulation_steps=2, fed per step rank 0's batch (seed) then rank 1's (seed + 1):
-    the same global batch, so the same loss curve and weights to float32 rounding. The control, the same run
-    drawing both micro-batches from its one stream, ends far away: the comparison can fail."""
+def test_two_ranks_end_with_the_weights_of_one_process_replaying_both_ranks_batches(two_ranks, tmp_path, monkeypatch):
+    """Accumulating rank 0's batch (seed) then rank 1's (seed + 1) per step: the same losses and weights to rounding;
+    the control, both micro-batches from its one stream, ends far away."""
     cfg, _, ddp = two_ranks
     streams = [torch.Generator().manual_seed(cfg.seed + rank) for rank in range(2)]
     summary, replayed = one_process(tmp_path, monkeypatch, "replay", streams)
     assert [h["step"] for h in ddp["history"]] == [0, 3, 6] and ddp["step"] == cfg.max_iters
-    assert [h["val_loss"] for h in summary["history"]] == pytest.approx([h["val_loss"] for h in ddp["history"]],
-                                                                         abs=1e-6)
-    assert max((replayed["model"][k] - w).abs().max().item() for k, w in ddp["model"].items()) < 1e-5
+    assert val_losses(summary["history"]) == pytest.approx(val_losses(ddp["history"]), abs=1e-6)
+    assert gap(replayed, ddp) < 1e-5
     assert torch.equal(ddp["rng"]["batch"], streams[0].get_state())  # the checkpoint holds rank 0's stream
     monkeypatch.undo()
     _, alone = one_process(tmp_path, monkeypatch, "alone", None)
-    assert max((alone["model"][k] - w).abs().max().item() for k, w in ddp["model"].items()) > 1e-3
+    assert gap(alone, ddp) > 1e-3
     assert not torch.distributed.is_initialized()  # a plain run never creates a process group
 
 
@@ -76,23 +71,20 @@ def test_only_rank_zero_logs_and_writes_a_checkpoint_of_the_unwrapped_model(two_
 def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks, tmp_path):
     cfg, _, ckpt = two_ranks
     shutil.copytree(cfg.out_dir, tmp_path / "out")
-    resumed = tiny_config(tmp_path, **{**QUIET, "resume": True, "max_iters": cfg.max_iters + 2})
-    summary = train.train(resumed, verbose=False)
+    summary = train.train(tiny_config(tmp_path, **QUIET, resume=True, max_iters=cfg.max_iters + 2), verbose=False)
     assert (summary["steps"], summary["steps_this_run"], summary["world_size"]) == (cfg.max_iters + 2, 2, 1)
     # the first evaluation is of the weights saved by the two ranks, on the same eval windows
     assert [h["step"] for h in summary["history"]] == [0, 3, 6, 8]
-    assert [h["val_loss"] for h in summary["history"][:3]] == pytest.approx([h["val_loss"] for h in ckpt["history"]],
-                                                                            abs=1e-6)
+    assert val_losses(summary["history"][:3]) == pytest.approx(val_losses(ckpt["history"]), abs=1e-6)
     assert load_checkpoint(tmp_path / "out" / CKPT_NAME)["step"] == cfg.max_iters + 2
 
 
-@pytest.mark.parametrize("world, accumulation, suggestion", [(2, 3, 4), (4, 6, 8), (3, 1, 3)])
-def test_an_accumulation_count_the_ranks_cannot_share_is_refused_with_the_next_multiple(world, accumulation,
-                                                                                        suggestion):
-    assert Dist(world_size=world).micro_steps(world * accumulation) == accumulation
-    with pytest.raises(ValueError, match=rf"gradient_accumulation_steps={accumulation} cannot be split across "
-                                         rf"{world} processes.*--gradient_accumulation_steps={suggestion}$"):
-        Dist(world_size=world).micro_steps(accumulation)
+@pytest.mark.parametrize("world, accum, suggestion", [(2, 3, 4), (4, 6, 8), (3, 1, 3)])
+def test_an_accumulation_count_the_ranks_cannot_share_is_refused_with_the_next_multiple(world, accum, suggestion):
+    assert Dist(world_size=world).micro_steps(world * accum) == accum
+    with pytest.raises(ValueError, match=rf"gradient_accumulation_steps={accum} cannot be split across {world} "
+                                         rf"processes.*--gradient_accumulation_steps={suggestion}$"):
+        Dist(world_size=world).micro_steps(accum)
 
 
 def test_each_rank_and_restart_step_gets_its_own_seed_and_rank_zero_starts_at_the_seed():
@@ -104,9 +96,8 @@ def test_each_rank_and_restart_step_gets_its_own_seed_and_rank_zero_starts_at_th
 @pytest.mark.parametrize("device, message", [("cuda:1", "under torchrun each process uses cuda:LOCAL_RANK"),
                                              ("mps", "device='mps' cannot run distributed")])
 def test_torchrun_refuses_a_fixed_cuda_index_and_mps_before_any_process_group(monkeypatch, device, message):
-    """resolve_device stands in for a machine that has the device (this one may not): the refusals under
-    torchrun are what is tested, and that a plain run on the same device is fine."""
-    monkeypatch.setattr(dist_lib, "resolve_device", lambda name: torch.device(name))
+    """A plain run on the device is fine (resolve_device stands in for a machine that has it); under torchrun not."""
+    monkeypatch.setattr("training.distributed.resolve_device", lambda name: torch.device(name))
     assert init_distributed({}, device) == Dist(device=torch.device(device))
     with pytest.raises(ValueError, match=message):
         init_distributed(TORCHRUN, device)

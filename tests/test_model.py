@@ -1,8 +1,4 @@
-"""The model computes the documented function: every option against an independent float64 reference
-(tests/reference.py), layer by layer; dropout obeys its law; eval mode drops nothing on any path; and the
-model's own contracts (config, init, loss, generation windows, rotary positions, FLOPs)."""
-
-from __future__ import annotations
+"""The model against the float64 reference (tests/reference.py) layer by layer, dropout's law, and its contracts."""
 
 import copy
 import itertools
@@ -22,44 +18,33 @@ pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 VALUES = {"attn_backend": ["manual", "sdpa"], "pos_emb": ["learned", "rope"], "qk_norm": [False, True],
           "bias": [False, True], "attn_window": [0, 3]}
 OPTIONS = [dict(zip(VALUES, v, strict=True)) for v in itertools.product(*VALUES.values())]
+tiny = lambda **kw: GPTConfig(**{**dict(vocab_size=11, block_size=12, n_layer=2, n_head=2, n_embd=16), **kw})
 
 
 def model_outputs(model, idx: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The model's own sub-layer outputs under reference_forward's names, read with forward hooks."""
+    """The model's sub-layer outputs under reference_forward's names, read by hooks (left on the model)."""
     out: dict[str, torch.Tensor] = {}
-    hooks = [model.blocks[0].register_forward_pre_hook(lambda _m, args: out.__setitem__("embedding", args[0]))]
-    for layer, block in enumerate(model.blocks):
-        for name, module in (("attention", block.attn), ("MLP", block.mlp)):
-            hooks.append(module.register_forward_hook(
-                lambda _m, _a, o, key=f"layer {layer} {name}": out.__setitem__(key, o)))
-    try:
-        with torch.no_grad():
-            out["logits"] = model(idx)[0]
-    finally:
-        for h in hooks:
-            h.remove()
+    model.blocks[0].register_forward_pre_hook(lambda _m, args: out.__setitem__("embedding", args[0]))
+    for i, block in enumerate(model.blocks):
+        block.attn.register_forward_hook(lambda _m, _a, o, key=f"layer {i} attention": out.__setitem__(key, o))
+        block.mlp.register_forward_hook(lambda _m, _a, o, key=f"layer {i} MLP": out.__setitem__(key, o))
+    with torch.no_grad():
+        out["logits"] = model(idx)[0]
     return out
 
 
 def first_difference(got: dict, want: dict, tol: float) -> tuple[str, float] | None:
-    """The first sub-layer, in forward order, whose output differs from the reference by more than tol
-    (relative to the reference's largest entry), with that difference."""
-    for name, ref in want.items():
-        err = ((got[name] - ref).abs().max() / ref.abs().max()).item()
-        if not err <= tol:  # NaN fails too
-            return name, err
-    return None
+    """The first sub-layer, in forward order, off the reference by more than tol (relative to its largest entry)."""
+    errors = {name: ((got[name] - ref).abs().max() / ref.abs().max()).item() for name, ref in want.items()}
+    return next(((name, err) for name, err in errors.items() if not err <= tol), None)  # NaN fails too
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(str(v) for v in o.values()))
 def test_every_sub_layer_computes_the_documented_function(options):
-    """Relational checks (causality, cache parity, manual vs sdpa) pass for many wrong functions of the
-    same weights; this one compares every sub-layer with the reference, and a failure names the first
-    one that differs. Positive control: the reference with qk_norm flipped is far off."""
+    """Unlike relational checks (causality, cache parity), many wrong functions fail this; control: qk_norm flipped."""
     model = C.leak_test_model(**options)
     x = C.random_tokens(3, model.config.block_size, model.config.vocab_size)
-    got = model_outputs(model, x)
-    cfg = model.config.to_dict()
+    got, cfg = model_outputs(model, x), model.config.to_dict()
     diff = first_difference(got, reference_forward(model.state_dict(), cfg, x), 1e-12)
     assert diff is None, f"{diff[0]} differs from the documented computation by {diff[1]:.3g} (relative)"
     flipped = reference_forward(model.state_dict(), {**cfg, "qk_norm": not cfg["qk_norm"]}, x)
@@ -68,104 +53,76 @@ def test_every_sub_layer_computes_the_documented_function(options):
 
 # --- dropout: its law, not only its causality ---------------------------------------------------------
 
-def dropped_weights(p: float, draws: int, T: int = 6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention() with v = the identity, so its output IS the weights after dropout: (draws, B, H, T, T),
-    and the weights without dropout (B, H, T, T)."""
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(2, 2, T, 4, generator=g, dtype=torch.float64) for _ in range(2))
-    v = torch.eye(T, dtype=torch.float64).expand(2, 2, T, T)
-    mask = causal_mask(T, T)
-    torch.manual_seed(seed)
-    outs = torch.stack([attention(q, k, v, mask, dropout_p=p)[0] for _ in range(draws)])
-    return outs, attention(q, k, v, mask)[1]
+def dropped_weights(p: float, draws: int = 3000) -> tuple[torch.Tensor, ...]:
+    """attention() with v = I: outputs ARE the dropped weights (draws, B, H, 6, 6); weights it returns; undropped."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    v, mask = torch.eye(6, dtype=torch.float64).expand(2, 2, 6, 6), causal_mask(6, 6)
+    torch.manual_seed(0)
+    outs, returned = zip(*(attention(q, k, v, mask, dropout_p=p) for _ in range(draws)), strict=True)
+    return torch.stack(outs), torch.stack(returned), attention(q, k, v, mask)[1]
 
 
 def test_attention_dropout_zeroes_normalised_weights_with_probability_p_and_rescales_the_rest():
-    """Dropout acts on the normalised, masked weights: each allowed weight is kept with probability 1 - p
-    and then equals weight / (1 - p) exactly; masked weights stay exactly 0; the mean over draws is the
-    weights themselves (unbiased). Tolerances: 5 standard errors of the binomial and of the mean."""
+    """Kept w.p. 1 - p as exactly weight / (1 - p), masked stay 0, unbiased (to 5 standard errors) and per query."""
     p, draws = 0.3, 3000
-    outs, w = dropped_weights(p, draws)
-    allowed = causal_mask(w.size(-1), w.size(-1))
+    (outs, returned, w), allowed = dropped_weights(p, draws), causal_mask(6, 6)
     kept = outs != 0
     assert (outs[..., ~allowed] == 0).all(), "dropout re-admitted a masked key"
     assert torch.allclose(outs[kept], (w / (1 - p)).expand_as(outs)[kept], rtol=0, atol=1e-12), \
         "a kept weight is not weight / (1 - p): dropout acts elsewhere than on the normalised weights"
-    n = kept[..., allowed].numel()
-    frac = kept[..., allowed].double().mean().item()
+    n, frac = kept[..., allowed].numel(), kept[..., allowed].double().mean().item()
     assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n), f"kept {frac:.4f} of the weights, not {1 - p}"
     se = w * math.sqrt(p / (1 - p) / draws)  # per weight: sd of w * keep / (1 - p), over sqrt(draws)
     assert ((outs.mean(0) - w).abs() <= 5 * se + 1e-12).all(), "dropout is biased: the mean is not the weights"
     # whole weights, each query's own draw: dropping entries of V instead would drop a key for every query at once
     assert (kept[..., 4, :4] != kept[..., 5, :4]).any(), "dropout acts on V, not on each query's weights"
-    # positive control: the same tolerances tell p = 0.3 from p = 0.2 apart
-    other, _ = dropped_weights(0.2, draws)
+    other = dropped_weights(0.2, draws)[0]  # positive control: the same tolerances tell p = 0.3 from p = 0.2 apart
     assert abs((other[..., allowed] != 0).double().mean().item() - (1 - p)) > 5 * math.sqrt(p * (1 - p) / n)
-    q, k, v = (torch.randn(2, 2, 6, 4, dtype=torch.float64) for _ in range(3))
-    returned = attention(q, k, v, causal_mask(6, 6), dropout_p=0.5)[1]  # what the maps draw, in train mode too
-    assert torch.equal(returned, attention(q, k, v, causal_mask(6, 6))[1]), "attention() returns dropped weights"
+    assert torch.equal(returned, w.expand_as(returned)), "attention() returns dropped weights (the maps draw them)"
 
 
 @pytest.mark.parametrize("module", ["attn", "mlp"])
 def test_the_output_projections_drop_at_rate_p_in_train_mode_only(module):
-    """x + dropout(attn.proj(...)) and x + dropout(mlp.proj(...)): each output entry is kept with probability
-    1 - p and then equals the projection / (1 - p); in eval mode the output is the projection itself."""
+    """x + dropout(proj(...)): each entry kept w.p. 1 - p as proj / (1 - p) in train mode; proj itself in eval mode."""
     torch.manual_seed(0)
-    model, p = GPT(tiny(n_embd=64, dropout=0.3)), 0.3
-    block = model.blocks[0]
-    sub, seen = getattr(block, module), []
+    block, p, seen = GPT(tiny(n_embd=64, dropout=0.3)).blocks[0], 0.3, []
+    sub = getattr(block, module)
     sub.proj.register_forward_hook(lambda _m, _i, out: seen.append(out))
     x = torch.randn(8, 12, 64)
-    for training in (True, False):
-        seen.clear()
-        out = sub.train(training)(block.ln_1(x), additive_mask(causal_mask(12, 12))) if module == "attn" else \
-            sub.train(training)(x)
-        if not training:
-            assert torch.equal(out, seen[0]), f"{module}: dropout acts in eval mode"
-            continue
-        kept = out != 0
-        assert abs(kept.double().mean().item() - (1 - p)) < 0.02, f"{module}: kept {kept.double().mean():.3f}, not 0.7"
-        torch.testing.assert_close(out[kept], seen[0][kept] / (1 - p))
+    args = (block.ln_1(x), additive_mask(causal_mask(12, 12))) if module == "attn" else (x,)
+    out = sub.train()(*args)
+    kept = out != 0
+    assert abs(kept.double().mean().item() - (1 - p)) < 0.02, f"{module}: kept {kept.double().mean():.3f}, not 0.7"
+    torch.testing.assert_close(out[kept], seen[-1][kept] / (1 - p))
+    assert torch.equal(sub.eval()(*args), seen[-1]), f"{module}: dropout acts in eval mode"
 
 
 def _paths(model, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The logits of x by each path the model computes them: one forward, a chunked prefill through the
-    KV cache, and one token at a time through it."""
+    """x's logits by one forward, a chunked prefill through the KV cache, and one token at a time through it."""
     with torch.no_grad():
-        full, _ = model(x)
-        cache = model.new_cache(x.size(0))
-        chunked = torch.cat([model(x[:, :4], cache=cache)[0], model(x[:, 4:], cache=cache)[0]], dim=1)
-        cache = model.new_cache(x.size(0))
-        decoded = torch.cat([model(x[:, t:t + 1], cache=cache)[0] for t in range(x.size(1))], dim=1)
-    return {"full forward": full, "chunked prefill": chunked, "one-token decode": decoded}
+        chunks, steps = model.new_cache(x.size(0)), model.new_cache(x.size(0))
+        return {"full forward": model(x)[0],
+                "chunked prefill": torch.cat([model(x[:, :4], cache=chunks)[0], model(x[:, 4:], cache=chunks)[0]], 1),
+                "one-token decode": torch.cat([model(x[:, t:t + 1], cache=steps)[0] for t in range(x.size(1))], 1)}
 
 
 @pytest.mark.parametrize("backend", ["manual", "sdpa"])
 def test_eval_mode_drops_nothing_on_any_path(backend):
-    """With dropout 0.5, eval mode on each path gives the dropout-free model's logits, whatever the RNG
-    holds; train mode (the positive control) gives other logits for another seed."""
-    model = C.leak_test_model(backend, dropout=0.5)
-    plain = C.leak_test_model(backend, dropout=0.0)
+    """Dropout 0.5: eval mode gives the dropout-free logits on every path whatever the seed; train mode does not."""
+    model, plain = C.leak_test_model(backend, dropout=0.5), C.leak_test_model(backend, dropout=0.0)
     x = C.random_tokens(2, model.config.block_size, model.config.vocab_size)
-    want = _paths(plain, x)
+    want, trained = _paths(plain, x), []
     for seed in (0, 1):
         torch.manual_seed(seed)
         for path, logits in _paths(model.eval(), x).items():
             err = (logits - want[path]).abs().max().item()
             assert err < 1e-9, f"{path} ({backend}) in eval mode moved by {err:.3g}: dropout acted"
-    model.train()
-    torch.manual_seed(0)
-    a, _ = model(x)
-    torch.manual_seed(1)
-    b, _ = model(x)
-    assert (a - b).abs().max() > 1e-3
+        trained.append(model.train()(x)[0])  # the positive control: in train mode, other logits for another seed
+    assert (trained[0] - trained[1]).abs().max() > 1e-3
 
 
 # --- the model's other contracts: config, init, loss, generation windows, rotary positions, FLOPs -------
-
-def tiny(**kw) -> GPTConfig:
-    return GPTConfig(**{**dict(vocab_size=11, block_size=12, n_layer=2, n_head=2, n_embd=16), **kw})
-
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n_embd=30, n_head=4), "n_embd=30 must be divisible by n_head=4"),
@@ -182,8 +139,7 @@ def test_a_model_config_refusal_names_the_field_and_the_value(kwargs, match):
 
 
 def test_the_head_is_tied_to_the_embedding_and_residual_projections_start_smaller():
-    """Every residual projection (attn.proj and mlp.proj of every block) starts at std 0.02 / sqrt(2 n_layer),
-    every other matrix at 0.02, biases at 0: GPT-2's init, each parameter pinned by its own check."""
+    """GPT-2's init, each parameter: residual projections std 0.02 / sqrt(2 n_layer), other matrices 0.02, biases 0."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, block_size=8, n_layer=8, n_head=4, n_embd=256, bias=True))
     assert model.lm_head.weight is model.tok_emb.weight
@@ -207,19 +163,16 @@ def test_the_model_overfits_one_batch_and_refuses_a_sequence_longer_than_block_s
         model(x, y)[1].backward()
         opt.step()
     assert model(x, y)[1].item() < 0.1
-    with pytest.raises(ValueError, match="sequence length 13 exceeds block_size 12"):
-        model(torch.zeros(1, 13, dtype=torch.long))
     cache = model.new_cache(1)
     model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
-    with pytest.raises(ValueError, match="sequence length 13 exceeds block_size 12"):  # cached positions count
-        model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+    for T, held in ((13, None), (5, cache)):  # cached positions count
+        with pytest.raises(ValueError, match="sequence length 13 exceeds block_size 12"):
+            model(torch.zeros(1, T, dtype=torch.long), cache=held)
 
 
 def greedy_over_windows(model: GPT, prompt: torch.Tensor, n: int, slide: int) -> torch.Tensor:
-    """The documented windows, by index: predict from seq[start:]; once the window holds more than block_size
-    tokens, move its start `slide` tokens on. Greedy, one full forward per token."""
-    block, seq = model.config.block_size, prompt
-    start = max(0, prompt.size(1) - block)
+    """The documented windows, greedy: predict from seq[start:]; past block_size tokens, start moves `slide` on."""
+    block, seq, start = model.config.block_size, prompt, max(0, prompt.size(1) - model.config.block_size)
     for _ in range(n):
         seq = torch.cat([seq, model(seq[:, start:])[0][:, -1].argmax(-1, keepdim=True)], dim=1)
         if seq.size(1) - start > block:
@@ -243,34 +196,26 @@ def test_generation_past_block_size_reads_the_documented_windows(prompt_len, sli
 
 @pytest.mark.parametrize("slide, fed", [(4, [3] + [1] * 9 + ([9] + [1] * 3) * 5), (1, [3] + [1] * 9 + [12] * 20)])
 def test_the_cache_feeds_one_token_per_step_and_recomputation_the_whole_window(slide, fed):
-    """Tokens per forward, 3-token prompt, block 12, 30 new: the window overflows after the 10th token;
-    slide=4 re-prefills the 9 left, then 3 one-token steps; slide=1 re-prefills every step from then on."""
-    model = GPT(tiny()).eval()
-    seen = []
+    """Tokens per forward (3-token prompt, block 12): past the 10th new token, each slide re-prefills what is left."""
+    model, seen = GPT(tiny()).eval(), []
     model.register_forward_pre_hook(lambda _m, args: seen.append(args[0].size(1)))
     model.generate(torch.zeros(1, 3, dtype=torch.long), 30, slide=slide)
-    assert seen == fed
-    seen.clear()
     model.generate(torch.zeros(1, 3, dtype=torch.long), 4, use_cache=False)
-    assert seen == [3, 4, 5, 6]  # the parity checks compare the cache with a real recomputation
+    assert seen == fed + [3, 4, 5, 6]  # without the cache, a real recomputation: what the parity checks compare
 
 
 def test_a_windowed_rotary_model_generates_past_block_size_on_a_rolling_cache_without_re_prefilling():
-    """rope + attn_window=3, block 12: greedy generation of 4 blocks gives the tokens of one full forward over the
-    whole sequence per token, with and without the cache; the cache is fed the prompt once, then one token per
-    step, and holds W positions per layer however long it runs (constant cost and memory per token)."""
+    """rope, W=3: 4 blocks greedy as by full forwards, with the cache fed one token a step and holding W positions."""
     model = C.redraw_parameters_(GPT(tiny(pos_emb="rope", attn_window=3)).double()).eval()
-    prompt = torch.randint(11, (2, 5), generator=torch.Generator().manual_seed(0))
-    seq = prompt
+    seq = prompt = torch.randint(11, (2, 5), generator=torch.Generator().manual_seed(0))
     for _ in range(48):  # the documented result: every earlier token at its own position
         seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
     assert len(set(seq[0, 5:].tolist())) > 3  # not a constant stream: the equality below is informative
-    fed, caches = [], []
-    model.register_forward_pre_hook(lambda _m, args, kw: fed.append(args[0].size(1)) or caches.append(kw.get("cache")),
-                                    with_kwargs=True)
+    fed = []  # (tokens, cache) per forward
+    model.register_forward_pre_hook(lambda _m, a, kw: fed.append((a[0].size(1), kw.get("cache"))), with_kwargs=True)
     assert torch.equal(model.generate(prompt, 48, temperature=0), seq)
-    assert fed == [5] + [1] * 47 and all(c is caches[0] for c in caches)
-    assert all(k.size(2) == 3 for k in caches[0].k + caches[0].v)
+    assert [n for n, _ in fed] == [5] + [1] * 47 and all(c is fed[0][1] for _, c in fed)
+    assert all(k.size(2) == 3 for k in fed[0][1].k + fed[0][1].v)
     assert torch.equal(model.generate(prompt, 48, temperature=0, use_cache=False), seq)
     learned = GPT(tiny(attn_window=3)).eval()  # a position table still ends at block_size: the window slides
     assert learned.generate(prompt, 48).shape == (2, 53)
@@ -279,9 +224,7 @@ def test_a_windowed_rotary_model_generates_past_block_size_on_a_rolling_cache_wi
 
 
 def test_with_documents_a_separator_reads_only_itself_and_a_documents_last_character_reads_its_document():
-    """The separator opens its document: its logits are those of the separator alone (it predicts the next
-    document's first character from nothing else); a document's last character reads that document and nothing
-    before it. Without the mask (the positive control) both read the documents before."""
+    """A separator's logits are its own alone, a document's end reads its document only; without doc_sep, not."""
     x = torch.tensor([[3, 4, 0, 5, 6, 7, 0, 8, 9]])  # token 0 separates: documents [3 4] [0 5 6 7] [0 8 9]
     for doc_sep, same in ((0, True), (None, False)):
         model = C.redraw_parameters_(GPT(tiny(pos_emb="rope", doc_sep=doc_sep)).double()).eval()
@@ -293,13 +236,10 @@ def test_with_documents_a_separator_reads_only_itself_and_a_documents_last_chara
 
 def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention_sees_only_offsets():
     D, positions = 8, torch.arange(5)
-    x = torch.zeros(1, 1, 5, D, dtype=torch.float64)
-    x[..., 0::2] = 1.0  # every pair is (1, 0): rotated, it becomes (cos, sin) of its angle
+    x = torch.tensor([1.0, 0.0], dtype=torch.float64).repeat(1, 1, 5, D // 2)  # pairs (1, 0): rotated, (cos, sin)
     out = apply_rope(x, rope_frequencies(positions, D, dtype=torch.float64))
-    for i in range(D // 2):
-        angle = positions * 10000.0 ** (-2 * i / D)
-        torch.testing.assert_close(out[0, 0, :, 2 * i], torch.cos(angle).double())
-        torch.testing.assert_close(out[0, 0, :, 2 * i + 1], torch.sin(angle).double())
+    angle = positions[:, None] * 10000.0 ** (-2 * torch.arange(D // 2, dtype=torch.float64) / D)  # (T, D/2)
+    torch.testing.assert_close(out[0, 0], torch.stack([angle.cos(), angle.sin()], -1).flatten(1))
     attn = CausalSelfAttention(GPTConfig(vocab_size=1, n_embd=32, n_head=4), 0).double()
     freqs = rope_frequencies(torch.arange(64), 8, dtype=torch.float64)
     x, mask = torch.randn(2, 6, 32, dtype=torch.float64), additive_mask(causal_mask(6, 6), torch.float64)
@@ -317,8 +257,7 @@ def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention
 
 
 def test_flops_per_token_is_six_per_weight_plus_the_attention_term():
-    """N = 6496: the tied 17x16 embedding, per layer 2 LayerNorms, qkv 16x48, proj 16x16, fc 16x64, proj 64x16,
-    and the final LayerNorm; the position table is a lookup, not a matmul."""
+    """N: tied 17x16 embedding, per layer 2 LayerNorms, qkv, proj, fc, proj, final LayerNorm (a table is no matmul)."""
     N = 17 * 16 + 2 * (16 + 16 * 48 + 16 * 16 + 16 + 16 * 64 + 64 * 16) + 16
     for pos_emb in ("learned", "rope"):
         model = GPT(GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=16, pos_emb=pos_emb))

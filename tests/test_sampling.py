@@ -1,7 +1,4 @@
-"""The distribution sample_next draws from, for every combination of temperature, top_k and top_p, row by
-row of a batch whose rows differ, against a reference written from the definitions."""
-
-from __future__ import annotations
+"""sample_next's distribution for every temperature, top_k and top_p, row by row, against the definitions."""
 
 import itertools
 import math
@@ -13,27 +10,27 @@ from model import sample_next
 
 pytestmark = pytest.mark.mask  # sample_next lives in model/gpt.py: in the mask command
 V = 7
+# three rows in different orders and at different scales: their thresholds differ row by row
+ROWS = torch.randn(3, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64) \
+    * torch.tensor([[0.5], [2.0], [4.0]], dtype=torch.float64)
 
 
-def reference_distribution(row: list[float], temperature: float, top_k: int | None,
-                           top_p: float | None) -> list[float]:
-    """softmax(row / temperature); top_k keeps the k likeliest; top_p then keeps, of those renormalised,
-    the smallest set (likeliest first) whose mass reaches top_p; what is kept is renormalised."""
+def reference_distribution(row: list[float], temperature: float, top_k: int | None, top_p: float | None) -> list[float]:
+    """softmax(row / temperature); top_k keeps the k likeliest; top_p then keeps, of those renormalised, the
+    smallest set (likeliest first) whose mass reaches top_p; what is kept is renormalised."""
     top = max(row)
     p = [math.exp((x - top) / temperature) for x in row]
-    p = [x / sum(p) for x in p]
     keep = sorted(range(len(row)), key=lambda i: -p[i])[:top_k or len(row)]
     if top_p is not None and top_p < 1:
         mass = sum(p[i] for i in keep)
-        nucleus, acc = [], 0.0
-        for i in keep:
-            if acc >= top_p:
-                break
-            nucleus.append(i)
-            acc += p[i] / mass
-        keep = nucleus
-    kept = sum(p[i] for i in keep)
-    return [p[i] / kept if i in keep else 0.0 for i in range(len(row))]
+        before = list(itertools.accumulate([p[i] / mass for i in keep], initial=0.0))  # kept mass before each token
+        keep = [i for i, acc in zip(keep, before[:-1], strict=True) if acc < top_p]
+    return renormalised(p, keep)
+
+
+def renormalised(p: list[float], keep: list[int]) -> list[float]:
+    """p on the tokens in keep, rescaled to sum to 1; 0 elsewhere."""
+    return [p[i] / sum(p[j] for j in keep) if i in keep else 0.0 for i in range(len(p))]
 
 
 def drawn_from(monkeypatch, logits: torch.Tensor, **options) -> torch.Tensor:
@@ -43,11 +40,6 @@ def drawn_from(monkeypatch, logits: torch.Tensor, **options) -> torch.Tensor:
                         torch.zeros(p.size(0), 1, dtype=torch.long))
     sample_next(logits, **options)
     return seen[0]
-
-
-# three rows in different orders and at different scales: their thresholds differ row by row
-ROWS = torch.randn(3, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64) \
-    * torch.tensor([[0.5], [2.0], [4.0]], dtype=torch.float64)
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", list(itertools.product(
@@ -61,35 +53,25 @@ def test_each_row_is_drawn_from_its_own_filtered_distribution(monkeypatch, tempe
         assert torch.equal(got[b] == 0, want == 0), f"row {b}: another set of tokens kept"
 
 
-def test_top_p_stops_where_the_kept_mass_reaches_it_exactly():
-    """Four equally likely tokens (0.25 each, exact in binary): top_p = 0.5 keeps exactly two, since the
-    mass before the third already reaches 0.5; a hair more keeps three."""
-    logits = torch.zeros(1, 4, dtype=torch.float64)
+def test_top_p_stops_where_the_kept_mass_reaches_it_exactly(monkeypatch):
+    """Four tokens at 0.25 (exact in binary): top_p = 0.5 keeps two (the mass before the third reaches it)."""
     for top_p, n_kept in ((0.5, 2), (0.5 + 1e-9, 3), (0.25, 1), (0.75, 3), (0.75 + 1e-9, 4)):
-        probs = sample_next_distribution(logits, top_p)
+        probs = drawn_from(monkeypatch, torch.zeros(1, 4, dtype=torch.float64), temperature=1.0, top_p=top_p)[0]
         assert (probs > 0).sum().item() == n_kept, f"top_p={top_p}"
         assert torch.allclose(probs[probs > 0], torch.full((n_kept,), 1 / n_kept, dtype=torch.float64))
 
 
-def sample_next_distribution(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    with pytest.MonkeyPatch.context() as mp:
-        return drawn_from(mp, logits, temperature=1.0, top_p=top_p)[0]
-
-
 def test_the_table_tells_the_orders_of_the_steps_apart():
-    """Positive control: a sampler that tempers after choosing the nucleus, or takes the nucleus of the
-    whole distribution instead of what top_k kept, disagrees with the reference on some cell of the
-    table above, so the table can see the order of the steps."""
+    """Positive control: tempering after the nucleus, or the nucleus of all tokens rather than of top_k's, is off
+    the reference on some cell of the table above."""
     def untempered_nucleus(row, temperature, top_k, top_p):
         keep = [i for i, x in enumerate(reference_distribution(row, 1.0, top_k, top_p)) if x > 0]
-        tempered = reference_distribution(row, temperature, None, None)
-        return [tempered[i] / sum(tempered[j] for j in keep) if i in keep else 0.0 for i in range(len(row))]
+        return renormalised(reference_distribution(row, temperature, None, None), keep)
 
     def nucleus_of_everything(row, temperature, top_k, top_p):
         in_k = set(sorted(range(len(row)), key=lambda i: -row[i])[:top_k or len(row)])
         keep = [i for i, x in enumerate(reference_distribution(row, temperature, None, top_p)) if x > 0 and i in in_k]
-        tempered = reference_distribution(row, temperature, None, None)
-        return [tempered[i] / sum(tempered[j] for j in keep) if i in keep else 0.0 for i in range(len(row))]
+        return renormalised(reference_distribution(row, temperature, None, None), keep)
 
     cells = list(itertools.product(ROWS.tolist(), [0.5, 2.0], [2, 4], [0.3, 0.6, 0.9]))
     for wrong in (untempered_nucleus, nucleus_of_everything):
@@ -105,10 +87,9 @@ def test_the_degenerate_settings_all_draw_the_argmax(options):
     assert torch.equal(drawn[:, 0], ROWS.argmax(-1))
 
 
-@pytest.mark.parametrize("options, message", [(dict(temperature=-1.0), "temperature must be a finite number"),
-                                              (dict(temperature=math.nan), "temperature must be a finite number"),
-                                              (dict(top_p=0.0), "top_p must be in"),
-                                              (dict(top_k=0), "top_k must be >= 1")])
+@pytest.mark.parametrize("options, message", [
+    (dict(temperature=-1.0), "temperature must be a finite number"), (dict(top_p=0.0), "top_p must be in"),
+    (dict(temperature=math.nan), "temperature must be a finite number"), (dict(top_k=0), "top_k must be >= 1")])
 def test_impossible_settings_are_refused_naming_them(options, message):
     with pytest.raises(ValueError, match=message):
         sample_next(ROWS, **options)
