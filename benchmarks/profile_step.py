@@ -13,13 +13,15 @@ from __future__ import annotations
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from training import parse_args  # noqa: E402
@@ -30,13 +32,19 @@ GROUPS = [("matmuls", r"mm|addmm|bmm|baddbmm|linear|matmul"), ("softmax", r"soft
           ("elementwise (GELU, dropout, add, ...)", r".")]
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return 0
     steps = int(next((a.split("=")[1] for a in argv if a.startswith("--steps=")), 20))
-    argv = [a for a in argv if not a.startswith("--steps=")] or ["configs/shakespeare_char_cpu.toml"]
-    cfg = parse_args([*argv, "--tensorboard=false", "--compile=false", "--overwrite=true",
-                      "--out_dir=/tmp/profile_step", f"--max_iters={steps + 20}"])
+    argv = [a for a in argv if not a.startswith("--steps=")]
+    if not argv or argv[0].startswith("--"):
+        argv = [str(ROOT / "configs" / "shakespeare_char_cpu.toml"), *argv]
+    out = tempfile.mkdtemp(prefix="profile_step-")  # set_up writes config.json there
+    cfg = parse_args([*argv, "--tensorboard=false", "--compile=false", f"--out_dir={out}", f"--max_iters={steps + 20}"])
     run = train.set_up(cfg, train.init_distributed({}, cfg.device), train.RunGuard(
-        torch.device("cpu"), "/tmp/profile_step/ckpt.pt", False, False), [], False, time.perf_counter(), None)
+        torch.device(cfg.device if cfg.device != "auto" else "cpu"), f"{out}/ckpt.pt", False, False), [], False,
+        time.perf_counter(), None)
     for step in range(20):
         train.train_step(run, step)
     times = []
@@ -57,7 +65,8 @@ def main(argv: list[str]) -> None:
     for group, t in sorted(per_group.items(), key=lambda kv: -kv[1]):
         print(f"  {group:40s} {t:6.1f} ms  {100 * t / ms:4.0f} %")
     print(f"  {'Python, dispatch, autograd engine':40s} {ms - ops:6.1f} ms  {100 * (ms - ops) / ms:4.0f} %")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

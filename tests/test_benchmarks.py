@@ -10,12 +10,14 @@ import ablate
 import bench
 import kv_cache
 import nanogpt_exact_val
+import profile_step
 import summarize
 import vs_nanogpt
-from tiny import tiny_config
+from tiny import cli_args, tiny_config
 
 
-@pytest.mark.parametrize("script", [ablate, bench, kv_cache, nanogpt_exact_val, summarize, vs_nanogpt])
+@pytest.mark.parametrize("script", [ablate, bench, kv_cache, nanogpt_exact_val, profile_step, summarize,
+                                    vs_nanogpt])
 def test_every_benchmark_script_explains_itself(script, capsys):
     try:
         assert script.main(["--help"]) == 0
@@ -34,6 +36,12 @@ def test_bench_trains_a_config_and_reports_its_figures(tmp_path, capsys):
     assert figures["ms_per_step_median"] > 0 and figures["final_val_loss"] > 0
     assert figures["time_to_target"]["step"] == 0  # val 100 is reached at the first eval
     assert not (tmp_path / "out").exists()  # it trained in a temporary directory
+
+
+def test_profile_step_splits_a_step_into_kinds_of_operator(tmp_path, capsys):
+    assert profile_step.main([*cli_args(tiny_config(tmp_path)), "--steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "ms a step by the clock" in out and "matmuls" in out and "Python, dispatch, autograd engine" in out
 
 
 def test_kv_cache_benchmark_finds_identical_tokens(capsys):
