@@ -40,7 +40,7 @@ class SampleConfig:
     top_p: float = opt(1.0, "nucleus sampling mass (1 = off)")
     num_samples: int = opt(1, "samples, one generator for all", rule=">= 1")
     seed: int = opt(1337, "same seed, same text", rule="in [0, 2**62]")
-    device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps", rule="one of auto, cpu, cuda, cuda:N, mps")
     no_cache: bool = opt(False, "recompute the whole context per token")
     slide: int = opt(1, "tokens a full window drops at once (1 = nanoGPT's crop)")
     attention_png: str | None = opt(None, "draw the prompt's attention maps into FILE (a bare --attention_png: "

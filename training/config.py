@@ -24,6 +24,7 @@ RANGES = {  # a field's `rule`; GPTConfig checks the model's fields
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in [0, 2**62]": lambda v: 0 <= v <= MAX_SEED,
+    "one of auto, cpu, cuda, cuda:N, mps": lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None,
 }
 BOOLS = dict.fromkeys(("true", "1", "yes", "on"), True) | dict.fromkeys(("false", "0", "no", "off"), False)
 
@@ -114,7 +115,8 @@ class TrainConfig:
     tensorboard: bool = opt(True, "write TensorBoard events to out_dir")
     sample_tokens: int = opt(200, "characters of TensorBoard text sample per eval (0 = none)", rule=">= 0")
     seed: int = opt(1337, "seeds model init, batches and dropout", rule="in [0, 2**62]")
-    device: str = opt("auto", "auto (cuda, mps, then cpu), cpu, cuda, cuda:N or mps")
+    device: str = opt("auto", "auto (cuda, mps, then cpu), cpu, cuda, cuda:N or mps",
+                      rule="one of auto, cpu, cuda, cuda:N, mps")
     dtype: str = opt("auto", "autocast dtype (auto: bfloat16 where fast)", ("auto", "float32", "bfloat16", "float16"))
     compile: str = opt("auto", "torch.compile the model (auto = on for CUDA)", ("auto", "true", "false"))
     resume: bool = opt(False, "continue from out_dir/ckpt.pt")
@@ -131,8 +133,6 @@ class TrainConfig:
                              f"warmup_iters={self.warmup_iters} ends; give lr_decay_iters >= warmup_iters")
         if self.min_lr > self.learning_rate:
             raise ValueError(f"config field min_lr={self.min_lr} exceeds learning_rate={self.learning_rate}")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device):
-            raise ValueError(f"config field device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
         try:
             self.model_config(1)
         except ValueError as e:
