@@ -69,13 +69,18 @@ def _max(x: Tensor) -> float:
     return x.abs().max().item() if x.numel() else 0.0
 
 
+def _also(check: Check, ok: bool, detail: str) -> Check:
+    """check, failing also where not ok, and then saying `detail` unless it already says what is wrong."""
+    check.ok, check.detail = check.ok and ok, check.detail or ("" if ok else detail)
+    return check
+
+
 def describe(reads: Tensor, expected: Tensor, rule: str, exact: bool = True) -> str:
-    """What is wrong with reads (Tq, Tk) bool, reads[i, j]: query (absolute position) Tk - Tq + i depends on
-    key j, against the declared rule's expected cells: a leak first, then a query blind to its own key, then a
-    difference from the rule (only cells the rule forbids, unless exact). '' if nothing."""
+    """What is wrong with reads (Tq, Tk) bool (query at position Tk - Tq + i depends on key j) against the rule's
+    expected cells: a leak, a query blind to its own key, other cells than the rule's (only forbidden ones unless
+    exact), in that order. '' if nothing."""
     Tq, Tk = reads.shape
-    q = torch.arange(Tk - Tq, Tk)[:, None]
-    k = torch.arange(Tk)[None, :]
+    q, k = torch.arange(Tk - Tq, Tk)[:, None], torch.arange(Tk)[None, :]
     wrong = [(reads & (k > q), "LEAK: query {q} reads key {k} ({ahead} ahead)"),
              (~reads & (k == q), "query {q} does not read key {k}, its own (every rule must allow it)"),
              (reads & ~expected, "no leak, but not {rule}: query {q} reads key {k}, which the rule forbids"),
@@ -89,9 +94,8 @@ def describe(reads: Tensor, expected: Tensor, rule: str, exact: bool = True) -> 
 
 
 def judge(name: str, change: Tensor, expected: Tensor, rule: str, tol: float = 0.0, exact: bool = True) -> Check:
-    """change (Tq, Tk) >= 0: how far query Tk - Tq + i moved when key (input) j did. ok iff it moved by more than
-    tol exactly where `expected` (the rule) allows and by at most tol elsewhere (not exact: only its own key
-    need move, e.g. under dropout)."""
+    """change (Tq, Tk) >= 0: how far query Tk - Tq + i moved when key j did. ok iff it moved by more than tol
+    exactly where `expected` (the rule) allows, by at most tol elsewhere (not exact: only its own key need move)."""
     change = change.double().cpu()
     Tq, Tk = change.shape
     must = expected if exact else torch.eye(Tk, dtype=torch.bool)[Tk - Tq:]
@@ -100,8 +104,7 @@ def judge(name: str, change: Tensor, expected: Tensor, rule: str, tol: float = 0
 
 
 def judge_rows(name: str, change: Tensor, expected: Tensor, rule: str, exact: bool = True) -> Check:
-    """judge() for each row b of change and expected (B, T, T) (rows differ where documents do); the first row that
-    fails speaks for all."""
+    """judge() for each row of change and expected (B, T, T) (rows differ by documents); the first failure speaks."""
     checks = [judge(name, c, e, rule, exact=exact) for c, e in zip(change, expected, strict=True)]
     bad = next((b for b, c in enumerate(checks) if not c.ok), None)
     differ = bool((expected != expected[:1]).any())
@@ -111,12 +114,8 @@ def judge_rows(name: str, change: Tensor, expected: Tensor, rule: str, exact: bo
 
 def mask_picture(window: int, T: int = 6) -> str:
     """causal_mask(T, T) next to the declared rule's grid (■ allowed, · masked)."""
-    got, want = attn_lib.causal_mask(T, T, window=window).cpu(), rule_grid(T, T, window)
-
-    def row(r: Tensor) -> str:
-        return " ".join("■" if a else "·" for a in r.tolist())
-
-    width = max(2 * T + 2, 20)
+    got, want, width = attn_lib.causal_mask(T, T, window=window).cpu(), rule_grid(T, T, window), max(2 * T + 2, 20)
+    row = lambda r: " ".join("■" if a else "·" for a in r.tolist())
     lines = [f"{'causal_mask':<{width}}{rule_name(window)} (tests/reference.py)"]
     return "\n".join(lines + [f"{row(g):<{width}}{row(w)}" for g, w in zip(got, want, strict=True)])
 
@@ -126,20 +125,14 @@ def mask_picture(window: int, T: int = 6) -> str:
 def redraw_parameters_(model: torch.nn.Module, seed: int = 0, gain: float = 1.5) -> torch.nn.Module:
     """Re-draw every parameter so that every path carries signal and no softmax is flat or saturated.
 
-    GPT-2's init (std 0.02, scaled residual projections) gives near-uniform attention: a leak through
-    a near-uniform softmax can change logits by less than rounding, and a test would miss it. Here
-    matrices get std gain/sqrt(fan_in) (activations stay O(1), scores are O(1) so softmax is neither
-    flat nor one-hot), norm gains 1 +- 0.5, biases +- 0.5. Tied weights are drawn once.
-    """
+    GPT-2's init (std 0.02) gives near-uniform attention, through which a leak can move logits by less than
+    rounding, unseen. Here matrices get std gain/sqrt(fan_in) (activations and scores O(1): softmax neither flat
+    nor one-hot), norm gains 1 +- 0.5, biases +- 0.5. Tied weights are drawn once."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * gain / math.sqrt(p.shape[-1]))
-            elif name.endswith("weight"):
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            r = torch.randn(p.shape, generator=g, dtype=p.dtype)  # a norm gain (a 1-d weight): 1 + 0.5 r
+            p.copy_(r * gain / math.sqrt(p.shape[-1]) if p.dim() >= 2 else 0.5 * r + name.endswith("weight"))
     return model
 
 
@@ -155,14 +148,10 @@ def leak_test_model(backend: str = "manual", dropout: float = 0.0, seed: int = 0
     return redraw_parameters_(GPT(GPTConfig(**{**cfg, **kw})).double(), seed).eval()
 
 
-def sequence_length(model: GPT) -> int:
-    """block_size, or 2 blocks for a model that runs past it (its rolling cache wraps again and again)."""
-    return model.config.block_size * (2 if model.endless else 1)
-
-
 def test_tokens(model: GPT, B: int = 4, seed: int = 1, T: int | None = None) -> Tensor:
-    """(B, T or sequence_length) random tokens; with documents, separators at places that differ row by row."""
-    x = random_tokens(B, T or sequence_length(model), model.config.vocab_size, seed)
+    """(B, T) random tokens, by default block_size of them, or 2 blocks for a model that runs past it (its rolling
+    cache wraps again and again); with documents, separators at places that differ row by row."""
+    x = random_tokens(B, T or model.config.block_size * (2 if model.endless else 1), model.config.vocab_size, seed)
     sep = model.config.doc_sep
     if sep is not None:
         x[x == sep] = (sep + 1) % model.config.vocab_size
@@ -218,32 +207,25 @@ def check_attention_perturbation(window: int = 0, T: int = T_ATTENTION, seed: in
     base, _ = attn_lib.attention(q, k, v, allowed)
     change = torch.zeros(T, T, dtype=torch.float64)  # change[i, j]: output i moved when position j did
     for j in range(T):
-        qp, kp, vp = q.clone(), k.clone(), v.clone()
-        for z in (qp, kp, vp):
-            z[:, :, j] *= scale
-        out, _ = attn_lib.attention(qp, kp, vp, allowed)
-        change[:, j] = (out - base).abs().amax(dim=(0, 1, 3))
+        s = torch.where(torch.arange(T)[:, None] == j, scale, 1.0).double()  # (T, 1): x scale at j, x 1 elsewhere
+        change[:, j] = (attn_lib.attention(q * s, k * s, v * s, allowed)[0] - base).abs().amax(dim=(0, 1, 3))
     return judge("attention: perturbation", change, rule_grid(T, T, window), rule_name(window))
 
 
 def check_attention_weights(window: int = 0, T: int = T_ATTENTION, seed: int = 0) -> Check:
     """Weights are > 0 exactly where the rule allows (exactly 0 elsewhere) and every row sums to 1."""
     _, w = attn_lib.attention(*_qkv(T, seed), attn_lib.causal_mask(T, T, window=window))
-    check = judge("attention: weights", w.amax(dim=(0, 1)), rule_grid(T, T, window), rule_name(window))
     rows = _max(w.sum(-1) - 1)
-    if check.ok and not rows < 1e-12:
-        check.ok, check.detail = False, f"rows sum to 1 +- {rows:.3g}, not 1"
-    return check
+    return _also(judge("attention: weights", w.amax(dim=(0, 1)), rule_grid(T, T, window), rule_name(window)),
+                 rows < 1e-12, f"rows sum to 1 +- {rows:.3g}, not 1")
 
 
 def check_attention_extreme_scores(scale: float = 1e150) -> Check:
-    """A masked key gets weight exactly 0 however far its score rises above the allowed ones: query 0
-    may read only key 0 (under any rule), at score -scale**2, while keys 1.. score +scale**2. With -inf in
-    the masked places that is still weight 1 on key 0; a finite fill above -scale**2 (-1e4, -1e9, ... but
-    not float64's finfo.min) hands query 0's attention to the future."""
+    """A masked key gets weight exactly 0 however far its score rises above the allowed ones: query 0 may read only
+    key 0 (any rule), at score -scale**2, while keys 1.. score +scale**2. -inf in the masked places still gives key 0
+    weight 1; a finite fill above -scale**2 (-1e4, -1e9, ..., not float64's finfo.min) hands it to the future."""
     T = 4
-    q = torch.full((1, 1, T, 1), scale, dtype=torch.float64)
-    k = torch.full((1, 1, T, 1), scale, dtype=torch.float64)
+    q, k = (torch.full((1, 1, T, 1), scale, dtype=torch.float64) for _ in range(2))
     k[..., 0, 0] = -scale
     v = torch.randn(1, 1, T, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     _, w = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
@@ -272,12 +254,11 @@ def check_attention_half_precision(window: int = 0, T: int = T_ATTENTION, seed: 
     ref, _ = attn_lib.attention(q, k, v, allowed)
     for dtype in (torch.float16, torch.bfloat16):
         out, w = attn_lib.attention(q.to(dtype), k.to(dtype), v.to(dtype), allowed)
-        check = judge("attention: half precision", w.double().amax(dim=(0, 1)), rule_grid(T, T, window),
-                      rule_name(window))
-        err = (out.double() - ref).abs().max().item()
-        if not check.ok or not err < 0.1:
-            check.ok, check.detail = False, check.detail or f"{dtype} output off by {err:.3g}"
-            return check
+        err = _max(out.double() - ref)
+        check = _also(judge("attention: half precision", w.double().amax(dim=(0, 1)), rule_grid(T, T, window),
+                            rule_name(window)), err < 0.1, f"{dtype} output off by {err:.3g}")
+        if not check.ok:
+            break
     return check
 
 
@@ -316,21 +297,23 @@ def check_perturbation(model: GPT, x: Tensor, path: str = "forward", seed: int =
     names the first layer whose output shows it. (x and its T variants run as one batch: one pass per path.)"""
     (B, T), V = x.shape, model.config.vocab_size
     outputs: list[Tensor] = []
-    hooks = [b.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for b in model.blocks] \
-        if path == "forward" else []
+    hooks = [b.register_forward_hook(lambda _m, _i, o: outputs.append(o)) for b in model.blocks if path == "forward"]
     variants = torch.stack([_change_at(x, j, V, seed + j) for j in range(T)])  # (T, B, T)
+    # rows: x, the variants, then copies of x up to whole tiles of 4 rows: a CPU BLAS may round the rows of a ragged
+    # last tile another way (AVX2 MKL does), and logits that must not move would differ in their last bits
+    batch = torch.cat([x[None], variants]).flatten(0, 1)
     try:
         with torch.no_grad():
-            logits = logits_by(model, torch.cat([x[None], variants]).flatten(0, 1), path).view(T + 1, B, T, V)
+            logits = logits_by(model, torch.cat([batch, x[:1].expand(-len(batch) % 4, -1)]), path)
     finally:
         for h in hooks:
             h.remove()
+    logits = logits[:len(batch)].view(T + 1, B, T, V)
     change = (logits[1:] - logits[0]).abs().amax(dim=-1).permute(1, 2, 0).double().cpu()  # [b, i, j]
     check = judge_rows(f"model: perturbation, {path}", change, perturbed_reach(model, x, variants), model_rule(model))
     if check.detail.startswith("LEAK") and hooks:
         b, i, j = ((change > 0) & torch.ones(T, T, dtype=torch.bool).triu(1)).nonzero()[0].tolist()
-        moved = [(o.view(T + 1, B, T, -1)[j + 1, b, i] != o.view(T + 1, B, T, -1)[0, b, i]).any().item()
-                 for o in outputs]
+        moved = [(o[(j + 1) * B + b, i] != o[b, i]).any().item() for o in outputs]  # variant j's row b, x's row b
         if any(moved):
             head, row, tail = check.detail.partition(" (row")
             check.detail = f"{head} in layer {moved.index(True)}{row}{tail}"
@@ -342,9 +325,8 @@ def check_gradients(model: GPT, x: Tensor) -> Check:
     captured: list[Tensor] = []
 
     def capture(_module, _inputs, output):
-        emb = output.detach().requires_grad_(True)
-        captured.append(emb)
-        return emb
+        captured.append(output.detach().requires_grad_(True))
+        return captured[-1]
 
     handle = model.tok_emb.register_forward_hook(capture)  # the token embeddings, as the blocks get them
     try:
@@ -378,32 +360,26 @@ def check_dropout_causality(backend: str = "manual", seed: int = 3, attn_window:
     does not let reach j (dropout may zero a path, never open one). options: GPTConfig options."""
     model = leak_test_model(backend, dropout=0.3, attn_window=attn_window, **options).train()
     x = test_tokens(model, 3, seed)[:, :model.config.block_size]
-    (B, T), V = x.shape, model.config.vocab_size
+    T, V = x.size(1), model.config.vocab_size
     variants = torch.stack([_change_at(x, j, V, seed + j) for j in range(T)])
-    change = torch.zeros(B, T, T, dtype=torch.float64)
+
+    def run(tokens: Tensor, draw: int = seed) -> Tensor:
+        torch.manual_seed(draw)
+        return model(tokens)[0]
+
     with torch.no_grad():
-        torch.manual_seed(seed)
-        base, _ = model(x)
-        for j in range(T):
-            torch.manual_seed(seed)
-            out, _ = model(variants[j])
-            change[:, :, j] = (out - base).abs().amax(dim=2)
-        torch.manual_seed(seed + 100)  # and dropout is really on: another draw changes the output
-        other, _ = model(x)
-    check = judge_rows("model: dropout", change, perturbed_reach(model, x, variants), model_rule(model), exact=False)
-    if check.ok and not _max(other - base) > 0:
-        check.ok, check.detail = False, "dropout does not act in train mode"
-    return check
+        base = run(x)
+        change = torch.stack([(run(v) - base).abs().amax(dim=2) for v in variants], dim=-1)  # [b, i, j]
+        other = run(x, seed + 100)  # and dropout is really on: another draw changes the output
+    return _also(judge_rows("model: dropout", change, perturbed_reach(model, x, variants), model_rule(model),
+                            exact=False), _max(other - base) > 0, "dropout does not act in train mode")
 
 
 def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 16, seed: int = 4, slide: int = 1) -> Check:
     """Cached and uncached generation draw identical tokens from the same generator, past block_size (a full
     window sliding `slide` tokens at a time; an endless model's cache rolling)."""
-    def gen(s: int) -> torch.Generator:
-        return torch.Generator(device=prompt.device).manual_seed(s)
-
-    runs = [model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed), use_cache=use_cache,
-                           slide=slide)
+    gen = lambda s: torch.Generator(device=prompt.device).manual_seed(s)
+    runs = [model.generate(prompt, new_tokens, temperature=1.0, generator=gen(seed), use_cache=use_cache, slide=slide)
             for use_cache in (True, False)]
     differ = (runs[0] != runs[1]).sum().item()
     # positive control: a different seed draws different tokens, so equality above is informative
@@ -435,19 +411,16 @@ def check_rolling_cache(model: GPT, x: Tensor) -> Check:
     with torch.no_grad():
         for t in range(x.size(1)):
             model(x[:, t:t + 1], cache=cache)
-    _, held = cache.positions(0)
-    want = list(range(max(0, x.size(1) - W), x.size(1)))
-    ok = sorted(held.tolist()) == want
-    return Check("model: rolling cache", ok, 0.0 if ok else 1.0, float(len(want)),
-                 "" if ok else f"it holds positions {sorted(held.tolist())}, not the last {W}: {want}")
+    held, want = sorted(cache.positions(0)[1].tolist()), list(range(max(0, x.size(1) - W), x.size(1)))
+    return Check("model: rolling cache", held == want, float(held != want), float(len(want)),
+                 "" if held == want else f"it holds positions {held}, not the last {W}: {want}")
 
 
 # --- label shift ---------------------------------------------------------------------------------
 
 def check_batch_shift(batch_size: int = 64, block_size: int = 8, n: int = 40) -> Check:
-    """On data 0, 1, 2, ... (int64, and int32 as train.py holds it):
-    y[:, :-1] == x[:, 1:], y[:, -1] is the token after the window, y == x + 1, and the offsets
-    reach the last valid window without running past the end."""
+    """On data 0, 1, 2, ...: y[:, :-1] == x[:, 1:], y[:, -1] is the token after the window, y == x + 1, and the
+    offsets reach the last valid window without running past the end."""
     wrong, reach_ends, window_ok, top, shifts = 0, True, True, 0, set()
     for corpus in (torch.arange(n), torch.arange(n, dtype=torch.int32)):  # int32: as train.py holds its splits
         x, y = data.get_batch(corpus, batch_size * 20, block_size, torch.Generator().manual_seed(0))
@@ -458,9 +431,8 @@ def check_batch_shift(batch_size: int = 64, block_size: int = 8, n: int = 40) ->
         reach_ends &= starts.max().item() == n - block_size - 1 and starts.min().item() == 0
         top = max(top, y.max().item())
         shifts |= set((y - x).unique().tolist())
-    where = "" if shifts == {1} else f"targets are the inputs shifted by {sorted(shifts)}, not by 1"
-    if not reach_ends:
-        where += ("; " if where else "") + "the window offsets do not reach both ends of the data"
+    where = "; ".join([f"targets are the inputs shifted by {sorted(shifts)}, not by 1"] * (shifts != {1}) +
+                      ["the window offsets do not reach both ends of the data"] * (not reach_ends))
     return Check("data: targets are next tokens", wrong == 0 and window_ok and reach_ends,
                  float(wrong), float(top == n - 1), where)
 
@@ -482,20 +454,16 @@ def check_documents_joined() -> Check:
 
 def find_offsets(corpus: np.ndarray, x: Tensor) -> list[int]:
     """Where each row of x starts in the corpus (each window must occur exactly once)."""
-    T = x.size(1)
-    windows = np.lib.stride_tricks.sliding_window_view(corpus.astype(np.int64), T)  # (N - T + 1, T)
-    offsets = []
-    for row in x.numpy():
-        hits = np.flatnonzero((windows == row).all(axis=1))
-        if len(hits) != 1:
-            raise ValueError(f"a batch row occurs {len(hits)} times in the corpus; use a corpus with unique windows")
-        offsets.append(int(hits[0]))
-    return offsets
+    windows = np.lib.stride_tricks.sliding_window_view(corpus.astype(np.int64), x.size(1))  # (N - T + 1, T)
+    hits = [np.flatnonzero((windows == row).all(axis=1)) for row in x.numpy()]
+    if (bad := next((len(h) for h in hits if len(h) != 1), None)) is not None:
+        raise ValueError(f"a batch row occurs {bad} times in the corpus; use a corpus with unique windows")
+    return [int(h[0]) for h in hits]
 
 
 def check_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray, seed: int = 5) -> Check:
-    """The loss model(x, y) gives for a get_batch batch equals mean CE(logits[:, t], corpus[i + t + 1]),
-    computed by hand from the corpus itself (not from y), where i is found by locating x in the corpus."""
+    """model(x, y)'s loss on a get_batch batch is mean CE(logits[:, t], corpus[i + t + 1]), by hand from the corpus
+    (not from y), i found by locating x in it."""
     T = model.config.block_size
     x, y = data.get_batch(torch.from_numpy(corpus.astype(np.int64)), 4, T, torch.Generator().manual_seed(seed))
     offsets = find_offsets(corpus, x)
@@ -506,17 +474,15 @@ def check_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray, seed:
             return torch.stack([-torch.log_softmax(logits[b, t], -1)[int(corpus[i + t + shift])]
                                 for b, i in enumerate(offsets) for t in range(T)]).mean().item()
 
-    quiet = abs(loss.item() - by_hand(1))
     # positive control: the same computation against the unshifted tokens gives another number
-    fired = abs(loss.item() - by_hand(0))
+    quiet, fired = (abs(loss.item() - by_hand(shift)) for shift in (1, 0))
     return Check("loss: CE against the next token", quiet < 1e-9 and fired > 1e-6, quiet, fired,
                  "" if quiet < 1e-9 else "the training loss is not the cross-entropy of the next tokens")
 
 
 def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray) -> Check:
-    """The exact loss (training.exact_loss, the final_val_loss of every run) equals the mean CE of
-    every corpus token after the first, predicted from the tokens before it in its block_size window,
-    recomputed here window by window from the corpus (not from the code's windows or shift)."""
+    """training.exact_loss (every run's final_val_loss) is the mean CE of every corpus token after the first, given
+    the tokens before it in its block_size window: recomputed window by window, not from the code's windows or shift."""
     from training import exact_loss
 
     T, n = model.config.block_size, len(corpus)
@@ -526,14 +492,12 @@ def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray)
             losses = []
             for s in range(0, n - 1, T):
                 length = min(T, n - 1 - s)
-                logits, _ = model(tokens[s:s + length][None])
-                targets = tokens[s + shift:s + shift + length]
-                losses.append(-torch.log_softmax(logits[0], -1).gather(-1, targets[:, None]))
+                logits = model(tokens[s:s + length][None])[0][0]
+                losses.append(-torch.log_softmax(logits, -1).gather(-1, tokens[s + shift:s + shift + length, None]))
             return torch.cat(losses).mean().item()
 
         got = exact_loss(model, tokens, T, 3, "cpu")
-        quiet = abs(got - by_hand(1))
-        fired = abs(got - by_hand(0))  # positive control: the unshifted targets give another number
+        quiet, fired = (abs(got - by_hand(shift)) for shift in (1, 0))  # control (0): not the same loss
     # exact_loss takes the cross-entropy of float32 logits (as in training): agreement to <1e-6, while a
     # wrong shift (or another mask) moves the loss by ~0.1
     return Check("loss: exact val against the next token", quiet < 1e-5 and fired > 1e-3, quiet, fired, "" if
@@ -556,12 +520,12 @@ def run_check(name: str, fn: Callable[..., Check], *args) -> Check:
 def model_tag(model: GPT) -> str:
     c = model.config
     modern = f", {c.pos_emb}, qk_norm={c.qk_norm}" if (c.pos_emb, c.qk_norm) != ("learned", False) else ""
-    return c.attn_backend + modern + (f", attn_window={c.attn_window}" if c.attn_window else "") + \
-        (", documents" if c.doc_sep is not None else "")
+    window = f", attn_window={c.attn_window}" if c.attn_window else ""
+    return c.attn_backend + modern + window + (", documents" if c.doc_sep is not None else "")
 
 
 def model_checks(model: GPT, x: Tensor) -> Iterator[Check]:
-    """The model-level checks that run on any model (random or trained), in float64; x: (B, sequence_length)."""
+    """The model-level checks that run on any model (random or trained), in float64; x: test_tokens(model)."""
     tag = model_tag(model)
     if model.config.attn_window:
         yield run_check(f"model: rolling cache ({tag})", check_rolling_cache, model, x)
@@ -609,11 +573,6 @@ def iter_checks() -> Iterator[Check]:
                             3, window)
 
 
-def all_checks() -> list[Check]:
-    """Every check of iter_checks."""
-    return list(iter_checks())
-
-
 def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
     """The model-level checks on a trained checkpoint's real weights (float64, eval mode, both backends)."""
     from training import load_checkpoint, model_from_checkpoint
@@ -621,8 +580,7 @@ def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
     ckpt = load_checkpoint(path)
     checks = []
     for backend in ("manual", "sdpa"):
-        m, _ = model_from_checkpoint(ckpt, "cpu", attn_backend=backend, dropout=0.0)
-        m = m.double().eval()
+        m = model_from_checkpoint(ckpt, "cpu", attn_backend=backend, dropout=0.0)[0].double().eval()
         length = T or min(16, m.config.block_size) + (m.config.block_size if m.endless else 0)
         checks += model_checks(m, test_tokens(m, 3, T=length))
     return checks
@@ -637,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         "plus block_size for a model that runs past it)")
     args = p.parse_args(argv)
     try:
-        checks = checkpoint_checks(args.ckpt, args.T) if args.ckpt else all_checks()
+        checks = checkpoint_checks(args.ckpt, args.T) if args.ckpt else list(iter_checks())
     except ValueError as e:  # no checkpoint there, or not one of ours: say so in one line
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -88,53 +88,29 @@ rule_without_window_for_chunks = rule(lambda q, k, window: REAL["visible"](q, k,
 
 
 # --- broken attention functions (each is the real one with one step done wrong) --------------------
-# They take attention's arguments: `mask` is the additive M (0 / -inf) the model passes, or a bool mask.
 
-def _scores(q, k):
-    return q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-
-
-def _allowed(mask):
-    return mask if mask.dtype == torch.bool else mask == 0
-
-
-def attention_mask_after_softmax(q, k, v, mask=None, dropout_p=0.0):
-    w = torch.softmax(_scores(q, k), dim=-1)  # normalised over the future too
-    if mask is not None:
-        w = w * _allowed(mask)  # zeroed afterwards, rows no longer sum to 1
-    return w @ v, w
+def attention_weighing_by(weights: Callable) -> Callable:
+    """attention whose weights are weights(scores, a), a: the allowed cells of `mask` (the additive M, 0 / -inf, the
+    model passes, or a bool mask)."""
+    def attention(q, k, v, mask=None, dropout_p=0.0):
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        w = weights(s, torch.ones_like(s, dtype=torch.bool) if mask is None else
+                    mask if mask.dtype == torch.bool else mask == 0)
+        return w @ v, w
+    return attention
 
 
-def attention_scores_times_zero(q, k, v, mask=None, dropout_p=0.0):
-    s = _scores(q, k)
-    if mask is not None:
-        s = s * _allowed(mask)  # exp(0) = 1: the future keeps weight (0.4965 in the seeds' example)
-    w = torch.softmax(s, dim=-1)
-    return w @ v, w
-
-
-def attention_softmax_over_queries(q, k, v, mask=None, dropout_p=0.0):
-    s = _scores(q, k)
-    if mask is not None:
-        s = s.masked_fill(~_allowed(mask), float("-inf"))
-    w = torch.softmax(s, dim=-2)  # over the query axis: each column sums to 1
-    return w @ v, w
-
-
-def attention_fill_minus_1e9(q, k, v, mask=None, dropout_p=0.0):
-    s = _scores(q, k)
-    if mask is not None:
-        s = s.masked_fill(~_allowed(mask), -1e9)  # overflows float16 (max 65504)
-    w = torch.softmax(s, dim=-1)  # and in the input dtype, not float32
-    return w @ v, w
-
-
-def attention_fill_minus_1e4(q, k, v, mask=None, dropout_p=0.0):
-    s = _scores(q, k)
-    if mask is not None:
-        s = s.masked_fill(~_allowed(mask), -1e4)  # "small enough": until an allowed score is smaller still
-    w = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32)).to(q.dtype)
-    return w @ v, w
+# the mask after the softmax: normalised over the future too, zeroed afterwards, rows no longer sum to 1
+attention_mask_after_softmax = attention_weighing_by(lambda s, a: torch.softmax(s, -1) * a)
+# scores x 0 instead of -inf: exp(0) = 1, the future keeps weight (0.4965 in the seeds' example)
+attention_scores_times_zero = attention_weighing_by(lambda s, a: torch.softmax(s * a, -1))
+# the softmax over the query axis: each column sums to 1
+attention_softmax_over_queries = attention_weighing_by(lambda s, a: torch.softmax(s.masked_fill(~a, -math.inf), -2))
+# -1e9 overflows float16 (max 65504), and the softmax runs in the input dtype, not float32
+attention_fill_minus_1e9 = attention_weighing_by(lambda s, a: torch.softmax(s.masked_fill(~a, -1e9), -1))
+# -1e4, "small enough": until an allowed score is smaller still
+attention_fill_minus_1e4 = attention_weighing_by(lambda s, a: torch.softmax(
+    s.masked_fill(~a, -1e4), -1, dtype=torch.promote_types(s.dtype, torch.float32)).to(s.dtype))
 
 
 def sdpa_ignores_the_mask(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
@@ -173,25 +149,18 @@ def exact_loss_without_window(model, *args, **kwargs):
 
 # --- broken documents ---------------------------------------------------------------------------------
 
-def separator_in_the_previous_document(tokens, sep, first=0):
-    return REAL["documents"](tokens, sep, first) - (tokens == sep).long()  # the separator closes, not opens
-
-
-def documents_from_the_targets(tokens, sep, first=0):
-    return REAL["documents"](tokens.roll(-1, dims=-1), sep, first)  # ids of the next tokens: the future
+# the separator closes its document instead of opening the next
+separator_in_the_previous_document = lambda t, sep, first=0: REAL["documents"](t, sep, first) - (t == sep).long()
+# ids of the next tokens: the future
+documents_from_the_targets = lambda t, sep, first=0: REAL["documents"](t.roll(-1, dims=-1), sep, first)
+# each forward counts documents from 0: a cached key of document 3 is foreign to a query of document 1
+cache_restarts_the_count = lambda self: 0
+rows_joined_with_nothing = lambda docs, name: "".join(d for d in docs if d)
 
 
 def cache_forgets_the_documents(self, new):
     held = REAL["KVCache.documents"](self, new)
     return torch.cat([new[:, :1].expand(-1, held.size(1) - new.size(1)), new], dim=1)  # old keys: the new document
-
-
-def cache_restarts_the_count(self):
-    return 0  # each forward counts documents from 0: a cached key of document 3 is foreign to a query of document 1
-
-
-def rows_joined_with_nothing(docs, name):
-    return "".join(d for d in docs if d)
 
 
 # --- broken batchers -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ The declared visibility rule lives here too, cell by cell: the suite holds every
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -33,12 +34,8 @@ def rule_name(window: int = 0, documents: bool = False) -> str:
 
 
 def document_ids(tokens: list[int], sep: int) -> list[int]:
-    """The document of each position: a separator opens the next one."""
-    ids, doc = [], 0
-    for token in tokens:
-        doc += token == sep
-        ids.append(doc)
-    return ids
+    """The document of each position, counted from 0: a separator opens the next one."""
+    return list(itertools.accumulate(int(token == sep) for token in tokens))
 
 
 def rule_grid(Tq: int, Tk: int, window: int = 0, docs: list[int] | None = None) -> Tensor:
@@ -58,11 +55,11 @@ def reach(grid: Tensor, n_layer: int) -> Tensor:
     return out.bool()
 
 
-def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _layer_norm(x: Tensor, sd: dict[str, Tensor], name: str) -> Tensor:
     mean = x.mean(-1, keepdim=True)
     var = ((x - mean) ** 2).mean(-1, keepdim=True)
-    y = (x - mean) / torch.sqrt(var + 1e-5) * weight
-    return y if bias is None else y + bias
+    y = (x - mean) / torch.sqrt(var + 1e-5) * sd[f"{name}.weight"]
+    return y + sd[f"{name}.bias"] if f"{name}.bias" in sd else y
 
 
 def _linear(x: Tensor, sd: dict[str, Tensor], name: str) -> Tensor:
@@ -72,15 +69,11 @@ def _linear(x: Tensor, sd: dict[str, Tensor], name: str) -> Tensor:
 
 def _rotate(x: Tensor, start: int) -> Tensor:
     """x (B, H, T, D): pair (2i, 2i+1) at position p = start + t turned by p * 10000^(-2i/D)."""
-    T, D = x.shape[-2], x.shape[-1]
+    T, D = x.shape[-2:]
     pos = torch.arange(start, start + T, dtype=torch.float64)[:, None]  # (T, 1)
     angle = pos * 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # (T, D/2)
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = even * cos - odd * sin
-    out[..., 1::2] = even * sin + odd * cos
-    return out
+    cos, sin, even, odd = torch.cos(angle), torch.sin(angle), x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)  # back to (2i, 2i+1)
 
 
 def _attention(x: Tensor, sd: dict[str, Tensor], p: str, cfg: dict, allowed: Tensor) -> Tensor:
@@ -101,17 +94,9 @@ def _attention(x: Tensor, sd: dict[str, Tensor], p: str, cfg: dict, allowed: Ten
 
 
 def reference_forward(sd: dict[str, Tensor], cfg: dict, idx: Tensor) -> dict[str, Tensor]:
-    """The documented GPT on idx (B, T), every sub-layer's output, in float64.
-
-    Args:
-        sd: a GPT state dict (tensors are cast to float64 here).
-        cfg: its GPTConfig as a dict (n_head, pos_emb, qk_norm, ...).
-        idx: (B, T) token ids.
-    Returns:
-        name -> tensor, in forward order: "embedding" (B, T, C); per layer l "layer l attention" and
-        "layer l MLP", the (B, T, C) outputs of the two sub-layers before they join the residual;
-        "logits" (B, T, V).
-    """
+    """The documented GPT (sd: a GPT state dict, cast to float64 here; cfg: its GPTConfig as a dict) on idx (B, T),
+    every sub-layer's output in forward order: "embedding" (B, T, C); per layer l "layer l attention" and "layer l
+    MLP", the (B, T, C) outputs of the two sub-layers before they join the residual; "logits" (B, T, V)."""
     sd = {k: v.detach().double().cpu() for k, v in sd.items()}
     T = idx.size(1)
     x = sd["tok_emb.weight"][idx.cpu()]
@@ -123,13 +108,11 @@ def reference_forward(sd: dict[str, Tensor], cfg: dict, idx: Tensor) -> dict[str
                            for row in idx.tolist()])[:, None]  # (B, 1, T, T)
     for layer in range(cfg["n_layer"]):
         p = f"blocks.{layer}."
-        a = _attention(_layer_norm(x, sd[f"{p}ln_1.weight"], sd.get(f"{p}ln_1.bias")), sd, f"{p}attn.", cfg, allowed)
+        a = _attention(_layer_norm(x, sd, f"{p}ln_1"), sd, f"{p}attn.", cfg, allowed)
         x = x + a
-        h = _layer_norm(x, sd[f"{p}ln_2.weight"], sd.get(f"{p}ln_2.bias"))
-        u = _linear(h, sd, f"{p}mlp.fc")
+        u = _linear(_layer_norm(x, sd, f"{p}ln_2"), sd, f"{p}mlp.fc")
         m = _linear(0.5 * u * (1 + torch.erf(u / math.sqrt(2))), sd, f"{p}mlp.proj")
         x = x + m
         out[f"layer {layer} attention"], out[f"layer {layer} MLP"] = a, m
-    x = _layer_norm(x, sd["ln_f.weight"], sd.get("ln_f.bias"))
-    out["logits"] = x @ sd["tok_emb.weight"].T
+    out["logits"] = _layer_norm(x, sd, "ln_f") @ sd["tok_emb.weight"].T
     return out

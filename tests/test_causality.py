@@ -21,9 +21,8 @@ pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
 OPTION_VALUES = {"attn_backend": ["manual", "sdpa"], "attn_window": list(C.WINDOWS), "doc_sep": [None, 0],
                  "pos_emb": ["learned", "rope"], "qk_norm": [False, True]}
-# every combination of what shapes the mask and its paths (backend, window, documents), each once with a learned
-# table and once with rotary positions, qk_norm on for one of the two: every value of every option meets every value
-# of every other (16 models, not 32)
+# every combination of what shapes the mask (backend, window, documents), each with learned and rotary positions,
+# qk_norm on for one of the two: every value of every option meets every value of every other (16 models, not 32)
 MASKING = list(itertools.product(*list(OPTION_VALUES.values())[:3]))
 COMBINATIONS = [dict(zip(OPTION_VALUES, m + (pos, (i // 2 + (pos == "rope")) % 2 == 1), strict=True))
                 for i, m in enumerate(MASKING) for pos in OPTION_VALUES["pos_emb"]]
