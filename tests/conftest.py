@@ -30,6 +30,25 @@ def fresh_compile_caches():
         sys.modules["torch._dynamo"].reset()
 
 
+@pytest.fixture(scope="session")
+def finished(tmp_path_factory):
+    """A run finished through train.main (so with summary.json) at step 4 = max_iters, saved every 2 steps."""
+    import train
+    from tiny import cli_args, tiny_config
+
+    cfg = tiny_config(tmp_path_factory.mktemp("finished"), max_iters=4, eval_interval=2, always_save_checkpoint=True,
+                      tensorboard=False, exact_val=False)
+    assert train.main(cli_args(cfg)) == 0
+    return cfg
+
+
+@pytest.fixture
+def run_dir(finished, tmp_path):
+    """A private copy of the finished run (tmp_path/out), and the config that resumes it to step 6."""
+    shutil.copytree(finished.out_dir, tmp_path / "out")
+    return finished.replace(out_dir=str(tmp_path / "out"), resume=True, max_iters=6), tmp_path / "out"
+
+
 def pytest_addoption(parser):
     parser.addoption("--ckpt", default=None, help="also run the causality checks on this trained checkpoint")
 

@@ -16,8 +16,7 @@ import vs_nanogpt
 from tiny import cli_args, tiny_config
 
 
-@pytest.mark.parametrize("script", [ablate, bench, kv_cache, nanogpt_exact_val, profile_step, summarize,
-                                    vs_nanogpt])
+@pytest.mark.parametrize("script", [ablate, bench, kv_cache, nanogpt_exact_val, profile_step, summarize, vs_nanogpt])
 def test_every_benchmark_script_explains_itself(script, capsys):
     try:
         assert script.main(["--help"]) == 0

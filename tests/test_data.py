@@ -249,8 +249,7 @@ def test_an_uncached_hub_id_offline_fails_in_seconds_saying_how_to_pass_a_local_
 def test_documents_are_lines_or_paragraphs_each_opened_by_the_separator_which_predicts_their_first_char(tmp_path):
     """documents="lines"/"paragraphs" (non-empty lines, blank-line-separated blocks; without it a file is one text);
     one holding the separator is refused; at a boundary the last character predicts the separator."""
-    path = tmp_path / "docs.txt"
-    path.write_text("ab\n\ncd\nef\n", encoding="utf-8")
+    (path := tmp_path / "docs.txt").write_text("ab\n\ncd\nef\n", encoding="utf-8")
     assert load_text(str(path), documents="lines")[0] == SEP + "ab" + SEP + "cd" + SEP + "ef"
     assert load_text(str(path), documents="paragraphs")[0] == SEP + "ab" + SEP + "cd\nef"
     assert load_text(str(path))[0] == "ab\n\ncd\nef\n"

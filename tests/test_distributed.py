@@ -44,8 +44,7 @@ def one_process(tmp_path, monkeypatch, name: str, streams: list[torch.Generator]
 
 
 def test_two_ranks_end_with_the_weights_of_one_process_replaying_both_ranks_batches(two_ranks, tmp_path, monkeypatch):
-    """Accumulating rank 0's batch (seed) then rank 1's (seed + 1) per step: the same losses and weights to rounding;
-    the control, both micro-batches from its one stream, ends far away."""
+    """Rank 0's batch (seed) then rank 1's (seed + 1) per step: the same losses and weights; one stream: far off."""
     cfg, _, ddp = two_ranks
     streams = [torch.Generator().manual_seed(cfg.seed + rank) for rank in range(2)]
     summary, replayed = one_process(tmp_path, monkeypatch, "replay", streams)

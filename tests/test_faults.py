@@ -11,7 +11,6 @@ import json
 import multiprocessing
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,16 +30,11 @@ FORK = multiprocessing.get_context("fork")
 BIG = 100_000  # max_iters, eval_interval of a run only a signal ends
 M = 30  # the step every signalled run is resumed to (the signal comes at step ~6)
 NAN, INF = float("nan"), float("inf")
-
-
-def endless(folder: Path, **overrides):
-    fields = dict(max_iters=BIG, lr_decay_iters=BIG, eval_interval=BIG, always_save_checkpoint=True, tensorboard=False,
-                  exact_val=False)
-    return tiny_config(folder, **{**fields, **overrides})
-
-
-def text(log: Path) -> str:
-    return log.read_text() if log.exists() else ""  # a forked child creates its log
+endless = lambda folder, **overrides: tiny_config(folder, **{**dict(  # a run only a signal ends
+    max_iters=BIG, lr_decay_iters=BIG, eval_interval=BIG, always_save_checkpoint=True, tensorboard=False,
+    exact_val=False), **overrides})
+text = lambda log: log.read_text() if log.exists() else ""  # a forked child creates its log
+temp_files = lambda out: {p.name for p in out.glob(f".{CKPT_NAME}.*.tmp")}  # of write_atomic
 
 
 def wait_for(condition, what: str, log: Path | None = None, timeout: float = 60.0) -> None:
@@ -81,10 +75,6 @@ def fork_train():
     for proc in children:
         proc.kill()  # a no-op unless it is still running
         proc.join()
-
-
-def temp_files(out: Path) -> set[str]:
-    return {p.name for p in out.glob(f".{CKPT_NAME}.*.tmp")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -177,9 +167,8 @@ def test_sigterm_inside_an_evaluation_ends_the_run_at_once_saving_the_last_compl
 
 @pytest.mark.parametrize("second", ["inside_the_step", "inside_the_final_save"])
 def test_a_second_ctrl_c_exits_at_once_with_130_saving_nothing(second, tmp_path, monkeypatch, fork_train):
-    """The first SIGINT (from the model) asks for a stop at the step's end; a second one exits at once: from the model
-    in the same step (no checkpoint yet), or from outside in the final save, made to hang (ckpt.pt untouched, the
-    abandoned save's temporary file removed)."""
+    """A second SIGINT exits at once: from the model in the first one's step (no checkpoint yet), or from outside in
+    the final save, made to hang (ckpt.pt untouched, the abandoned save's temporary file removed)."""
     in_step = second == "inside_the_step"
     cfg, log = endless(tmp_path, eval_interval=BIG if in_step else 2), tmp_path / "log.txt"
     path, real_save = Path(cfg.out_dir) / CKPT_NAME, torch.save
@@ -260,18 +249,8 @@ def test_sigkill_at_random_moments_during_saves_always_leaves_a_checkpoint_that_
 
 # --- a non-finite loss or weight, a full disk --------------------------------------------------
 
-@pytest.fixture(scope="module")
-def good_run(tmp_path_factory):
-    """A run finished at step 4 with a checkpoint (always saved, every 2 steps); copy before use."""
-    cfg = tiny_config(tmp_path_factory.mktemp("good"), max_iters=4, eval_interval=2, always_save_checkpoint=True,
-                      tensorboard=False, exact_val=False)
-    assert train.main(cli_args(cfg)) == 0
-    return cfg
-
-
 def nan_weight(model, kind, counts, loss):
-    """An act (instrument): the last forward of step 6's estimate (resumed at 4: 2 forwards each) leaves a weight
-    nan, its own loss finite."""
+    """An act: the last forward of step 6's estimate (resumed at 4: 2 each) makes a weight nan; its loss is finite."""
     if (kind, counts[kind]) == ("estimate", 4):
         with torch.no_grad():
             model.tok_emb.weight[0, 0] = NAN
@@ -294,16 +273,13 @@ STEP_7 = "loss is {} at step 7; stopped without saving anything from that step o
                                      "previous checkpoint"])],
     ids=["nan-estimate", "nan-log_step", "inf-estimate", "inf-log_step", "nan-weight", "full-disk"])
 def test_a_fault_stops_the_run_with_one_error_line_and_the_last_checkpoint_byte_identical(
-        good_run, tmp_path, monkeypatch, capsys, fault, fields, says):
+        run_dir, monkeypatch, capsys, fault, fields, says):
     """Resumed at step 4: step 7's loss made non-finite (caught by step 8's estimate or log step 10), a weight made
     nan, or the disk full: exit 1, one error line naming it, ckpt.pt the step-4 file byte for byte, no temp file."""
-    path = shutil.copytree(good_run.out_dir, tmp_path / "out") / CKPT_NAME
+    cfg, path = run_dir[0], run_dir[1] / CKPT_NAME  # a copy of conftest.py's finished run
     good = path.read_bytes()
-    if fault is disk_fills:
-        monkeypatch.setattr(torch, "save", disk_fills)
-    else:
-        instrument(monkeypatch, fault)
-    rc = train.main(cli_args(good_run.replace(out_dir=str(path.parent), resume=True, **fields)))
+    monkeypatch.setattr(torch, "save", disk_fills) if fault is disk_fills else instrument(monkeypatch, fault)
+    rc = train.main(cli_args(cfg.replace(**fields)))
     err = capsys.readouterr().err
     assert rc == 1, err
     (line,) = [line for line in err.splitlines() if line.strip()]  # one line, no traceback

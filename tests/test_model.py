@@ -98,25 +98,17 @@ def test_the_output_projections_drop_at_rate_p_in_train_mode_only(module):
     assert torch.equal(sub.eval()(*args), seen[-1]), f"{module}: dropout acts in eval mode"
 
 
-def _paths(model, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """x's logits by one forward, a chunked prefill through the KV cache, and one token at a time through it."""
-    with torch.no_grad():
-        chunks, steps = model.new_cache(x.size(0)), model.new_cache(x.size(0))
-        return {"full forward": model(x)[0],
-                "chunked prefill": torch.cat([model(x[:, :4], cache=chunks)[0], model(x[:, 4:], cache=chunks)[0]], 1),
-                "one-token decode": torch.cat([model(x[:, t:t + 1], cache=steps)[0] for t in range(x.size(1))], 1)}
-
-
 @pytest.mark.parametrize("backend", ["manual", "sdpa"])
+@torch.no_grad()
 def test_eval_mode_drops_nothing_on_any_path(backend):
     """Dropout 0.5: eval mode gives the dropout-free logits on every path whatever the seed; train mode does not."""
     model, plain = C.leak_test_model(backend, dropout=0.5), C.leak_test_model(backend, dropout=0.0)
-    x = C.random_tokens(2, model.config.block_size, model.config.vocab_size)
-    want, trained = _paths(plain, x), []
+    x, paths = C.test_tokens(model, 2), ("forward", "chunked prefill", "decode")  # chunked, decode: the KV cache
+    want, trained = {path: C.logits_by(plain, x, path) for path in paths}, []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        for path, logits in _paths(model.eval(), x).items():
-            err = (logits - want[path]).abs().max().item()
+        for path in paths:
+            err = (C.logits_by(model.eval(), x, path) - want[path]).abs().max().item()
             assert err < 1e-9, f"{path} ({backend}) in eval mode moved by {err:.3g}: dropout acted"
         trained.append(model.train()(x)[0])  # the positive control: in train mode, other logits for another seed
     assert (trained[0] - trained[1]).abs().max() > 1e-3
@@ -124,8 +116,7 @@ def test_eval_mode_drops_nothing_on_any_path(backend):
 
 # --- the model's other contracts: config, init, loss, generation windows, rotary positions, FLOPs -------
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(n_embd=30, n_head=4), "n_embd=30 must be divisible by n_head=4"),
+@pytest.mark.parametrize("kwargs, match", [(dict(n_embd=30, n_head=4), "n_embd=30 must be divisible by n_head=4"),
     (dict(n_layer=0), "n_layer must be a positive integer"), (dict(block_size=2.5), "block_size must be a positive"),
     (dict(attn_backend="flash"), "attn_backend='flash' is unknown"), (dict(dropout=1.0), "dropout must be in"),
     (dict(pos_emb="rope", n_embd=18, n_head=2), "needs an even head width, got 9"),
@@ -221,17 +212,6 @@ def test_a_windowed_rotary_model_generates_past_block_size_on_a_rolling_cache_wi
     assert learned.generate(prompt, 48).shape == (2, 53)
     with pytest.raises(ValueError, match="exceeds block_size 12"):
         learned(torch.zeros(1, 13, dtype=torch.long))
-
-
-def test_with_documents_a_separator_reads_only_itself_and_a_documents_last_character_reads_its_document():
-    """A separator's logits are its own alone, a document's end reads its document only; without doc_sep, not."""
-    x = torch.tensor([[3, 4, 0, 5, 6, 7, 0, 8, 9]])  # token 0 separates: documents [3 4] [0 5 6 7] [0 8 9]
-    for doc_sep, same in ((0, True), (None, False)):
-        model = C.redraw_parameters_(GPT(tiny(pos_emb="rope", doc_sep=doc_sep)).double()).eval()
-        logits = model(x)[0][0]
-        alone, document = model(x[:, 6:7], start=6)[0][0, -1], model(x[:, 2:6], start=2)[0][0, -1]
-        assert torch.allclose(logits[6], alone, atol=1e-12) == same
-        assert torch.allclose(logits[5], document, atol=1e-12) == same
 
 
 def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention_sees_only_offsets():

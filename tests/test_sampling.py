@@ -13,6 +13,8 @@ V = 7
 # three rows in different orders and at different scales: their thresholds differ row by row
 ROWS = torch.randn(3, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64) \
     * torch.tensor([[0.5], [2.0], [4.0]], dtype=torch.float64)
+# p on the tokens in keep, rescaled to sum to 1; 0 elsewhere
+renormalised = lambda p, keep: [p[i] / sum(p[j] for j in keep) if i in keep else 0.0 for i in range(len(p))]
 
 
 def reference_distribution(row: list[float], temperature: float, top_k: int | None, top_p: float | None) -> list[float]:
@@ -26,11 +28,6 @@ def reference_distribution(row: list[float], temperature: float, top_k: int | No
         before = list(itertools.accumulate([p[i] / mass for i in keep], initial=0.0))  # kept mass before each token
         keep = [i for i, acc in zip(keep, before[:-1], strict=True) if acc < top_p]
     return renormalised(p, keep)
-
-
-def renormalised(p: list[float], keep: list[int]) -> list[float]:
-    """p on the tokens in keep, rescaled to sum to 1; 0 elsewhere."""
-    return [p[i] / sum(p[j] for j in keep) if i in keep else 0.0 for i in range(len(p))]
 
 
 def drawn_from(monkeypatch, logits: torch.Tensor, **options) -> torch.Tensor:
@@ -62,8 +59,7 @@ def test_top_p_stops_where_the_kept_mass_reaches_it_exactly(monkeypatch):
 
 
 def test_the_table_tells_the_orders_of_the_steps_apart():
-    """Positive control: tempering after the nucleus, or the nucleus of all tokens rather than of top_k's, is off
-    the reference on some cell of the table above."""
+    """Control: tempering after the nucleus, or the nucleus of all tokens, not top_k's, is off the table somewhere."""
     def untempered_nucleus(row, temperature, top_k, top_p):
         keep = [i for i, x in enumerate(reference_distribution(row, 1.0, top_k, top_p)) if x > 0]
         return renormalised(reference_distribution(row, temperature, None, None), keep)

@@ -26,14 +26,9 @@ from training.visualize import EMPTY, layout_for
 METRICS = {"loss/val_exact", "loss/val"}
 RECIPE = parse_args([str(ROOT / "configs" / "shakespeare_char_cpu_fast.toml")])  # the fast CPU recipe
 QUIET = contextlib.redirect_stdout(io.StringIO())  # a verbose run (the only kind that writes events), swallowed
-
-
-def events(out_dir: str) -> ea.EventAccumulator:  # as TensorBoard reads it, every event kept (not 4 images)
-    return ea.EventAccumulator(out_dir, size_guidance={ea.SCALARS: 0, ea.IMAGES: 0, ea.TENSORS: 0}).Reload()
-
-
-def steps(acc: ea.EventAccumulator, tag: str) -> list[int]:
-    return [e.step for e in acc.Scalars(tag)]
+events = lambda out_dir: ea.EventAccumulator(  # as TensorBoard reads it, every event kept (not 4 images)
+    out_dir, size_guidance={ea.SCALARS: 0, ea.IMAGES: 0, ea.TENSORS: 0}).Reload()
+steps = lambda acc, tag: [e.step for e in acc.Scalars(tag)]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ from training import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
+CPU_CONFIGS = [p for p in sorted((ROOT / "configs").glob("*.toml")) if 'device = "cpu"' in p.read_text()]  # recipes
+cli_args = lambda cfg: [f"--{k}={v}" for k, v in cfg.to_dict().items()]  # every field: none falls back to a recipe
 
 
 def tiny_config(folder: Path, **overrides: Any) -> TrainConfig:
@@ -26,11 +28,6 @@ def tiny_config(folder: Path, **overrides: Any) -> TrainConfig:
         n_embd=16, block_size=16, dropout=0.0, batch_size=4, max_iters=6, learning_rate=1e-2, min_lr=1e-3,
         warmup_iters=2, lr_decay_iters=8, eval_interval=3, eval_iters=2, log_interval=1, sample_tokens=24)
     return TrainConfig(**{**fields, **overrides})
-
-
-def cli_args(cfg: TrainConfig) -> list[str]:
-    """cfg as train.py command-line overrides (every field, so nothing falls back to a recipe)."""
-    return [f"--{k}={v}" for k, v in cfg.to_dict().items()]
 
 
 def ctrl_c_in_batch(batch: int, cfg: TrainConfig, before=lambda: None, **kwargs) -> dict:
