@@ -14,8 +14,6 @@ test can substitute a broken piece and watch them fail: see tests/mutants.py.
 Run on a trained model:  python tests/causality.py --ckpt out/shakespeare_char/ckpt.pt
 """
 
-from __future__ import annotations
-
 import math
 import sys
 import tempfile

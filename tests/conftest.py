@@ -1,8 +1,6 @@
 """Shared fixtures (helpers are in tests/tiny.py), and the mask command's report: one line per failing test,
 leaks first (python -m pytest -m mask; add --tb=short for tracebacks)."""
 
-from __future__ import annotations
-
 import os
 import re
 import shutil

@@ -8,8 +8,6 @@ place and require that some check fails, and that the first failure says what ki
 `Mutant(...)` line to MUTANTS.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 import sys

@@ -11,8 +11,6 @@ C -> 4C, exact GELU (erf), -> C. LayerNorm: biased variance, eps 1e-5.
 The declared visibility rule lives here too, cell by cell: the suite holds every path of the model to it.
 """
 
-from __future__ import annotations
-
 import itertools
 import math
 

@@ -1,7 +1,5 @@
 """Smoke tests of the benchmark scripts: each starts, runs a tiny case, and reports what it measured."""
 
-from __future__ import annotations
-
 import json
 
 import pytest

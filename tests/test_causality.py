@@ -7,8 +7,6 @@ how the mask differs from the rule.
 On a trained model:  python -m pytest tests/test_causality.py -k checkpoint --ckpt out/RUN/ckpt.pt -s
 """
 
-from __future__ import annotations
-
 import dataclasses
 import itertools
 

@@ -2,8 +2,6 @@
 bit-identical to one that never stopped; a checkpoint holds tensors and plain data only, read with weights_only=True;
 one that cannot be continued is refused before out_dir is touched; every write is atomic and leaves no temporary."""
 
-from __future__ import annotations
-
 import ast
 import errno
 import json

@@ -1,8 +1,6 @@
 """train.py and sample.py as a user meets them: --help, the errors (one line that says the way out, exit 1,
 nothing written), the recipe picked without a config, the duration estimate, and what sample.py prints."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os

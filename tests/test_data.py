@@ -1,8 +1,6 @@
 """data/: the bundled corpus, tokenizer, 90/10 split, batches, eval windows and text sources (files, .txt
 folders, hf: datasets built offline in tmp_path). The label shift itself is causality.check_batch_shift's."""
 
-from __future__ import annotations
-
 import hashlib
 import os
 import re

@@ -3,8 +3,6 @@ loss or weight, a full disk. Signals from outside go to one `python train.py` (s
 meanwhile; checked last) and to forks of this process running train.main (torch imported: they start in ms). A signal
 at an exact moment comes from the model's own forward (patched before a fork, in the child too)."""
 
-from __future__ import annotations
-
 import collections
 import errno
 import json

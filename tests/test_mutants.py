@@ -2,8 +2,6 @@
 piece, makes one of the suite's own checks fail, saying what kind of bug it is (a LEAK, or a mask that is
 not the declared rule), and the real code passes them all."""
 
-from __future__ import annotations
-
 import pytest
 
 import causality as C

@@ -1,8 +1,6 @@
 """What TensorBoard shows, read back by its own reader: scalars at their steps, a text sample and attention images
 at every eval, the HParams experiment and session, and a resumed run replacing the points it replays."""
 
-from __future__ import annotations
-
 import contextlib
 import io
 import json

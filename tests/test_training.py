@@ -2,8 +2,6 @@
 accumulation and clipping, the learning rate it applies, mixed precision against float64, the config,
 evaluation, optimizers, and what a GPU step must not do (read the host, break the compiled graph)."""
 
-from __future__ import annotations
-
 import json
 import math
 import sys

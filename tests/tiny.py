@@ -1,7 +1,5 @@
 """Tiny corpora and configs in temp dirs, shared by the tests (which never download or read ../shared)."""
 
-from __future__ import annotations
-
 import itertools
 import signal
 from pathlib import Path
