@@ -107,18 +107,15 @@ class KVCache:
                  dtype: torch.dtype) -> None:
         self.k = [torch.empty(B, H, size, D, device=device, dtype=dtype) for _ in range(n_layer)]
         self.v = [torch.empty(B, H, size, D, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.pos = torch.zeros(size, dtype=torch.long, device=device)  # absolute positions
         self.doc = torch.zeros(B, size, dtype=torch.long, device=device)  # document ids, with a separator
         self.size = size
         self.length = 0  # positions seen: the next one's absolute position (the same for every layer after a forward)
 
     def positions(self, T: int) -> tuple[Tensor, Tensor]:
-        """Absolute positions of T new queries (T,) and of the keys `append` returns for them (Tk,), in its order."""
-        start, device = self.length, self.k[0].device
-        new = torch.arange(start, start + T, device=device)
-        if start + T <= self.size:
-            return new, torch.arange(start + T, device=device)
-        slots = torch.arange(min(start, self.size), device=device)
-        return new, torch.cat([start - 1 - (start - 1 - slots) % self.size, new])  # the newest position per slot
+        """Store T new positions; return them (T,) and those of the keys `append` returns for them (Tk,), in order."""
+        new = torch.arange(self.length, self.length + T, device=self.pos.device)
+        return new, self._store(self.pos, new, 0)  # stored like keys: the keys' positions, in their order
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v (B, H, T, D) of the T new positions; return the stored and new ones (B, H, Tk, D)."""
