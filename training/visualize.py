@@ -1,6 +1,7 @@
 """Attention maps as images: a tile per (layer, head), rows = queries, columns = keys; weight 0 is white (the
 causal mask's upper triangle). L layers, H heads, T prompt length."""
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,21 +106,16 @@ def prompt_attention(model: GPT, ids: Sequence[int]) -> list[Tensor]:
     with the inputs the forward gives it (a pre-hook), whatever its backend."""
     maps: list[Tensor] = []
     ask = lambda attn, args: maps.append(attn.weights(*args[:3])[0].float().cpu())  # args: x, mask, rope, cache
-    hooks = [block.attn.register_forward_pre_hook(ask) for block in model.blocks]
-    try:
-        with evaluating(model):
-            model(torch.tensor([list(ids)], device=model.tok_emb.weight.device))
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with contextlib.ExitStack() as hooks, evaluating(model):  # the hooks come off again, even on an error
+        for block in model.blocks:
+            hooks.enter_context(block.attn.register_forward_pre_hook(ask))
+        model(torch.tensor([list(ids)], device=model.tok_emb.weight.device))
     return maps
 
 
-def save_attention_png(path: str | Path, maps: Sequence[Tensor | np.ndarray], chars: Sequence[str]) -> Path:
+def save_attention_png(path: str | Path, maps: Sequence[Tensor | np.ndarray], chars: Sequence[str]) -> None:
     """Save render_attention(maps, chars) as a PNG."""
     from PIL import Image
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(render_attention(maps, chars)).save(path, format="PNG")
-    return path
