@@ -4,6 +4,7 @@
 exact val loss and the summary. `Run` holds what the steps share; each step's pieces are the functions below it.
 """
 
+import contextlib
 import math
 import os
 import sys
@@ -19,22 +20,13 @@ import torch
 import training.checkpoint as checkpoint
 from data import SEPARATOR, CharTokenizer, check_split_sizes, get_batch, load_corpus
 from model import GPT
-from training import Stopped, TrainConfig, estimate_loss, exact_loss, parse_args, print_help, set_lr
+from training import Stopped, TrainConfig, estimate_loss, exact_loss, parse_args, print_help, resolve_device, set_lr
 from training.distributed import Dist, close_distributed, init_distributed, launched_by_torchrun
 from training.evaluate import evaluating
 from training.faults import RunGuard, exit_code, signal_name
 from training.log import RunLog, bpc, format_duration
 from training.optim import configure_optimizers
-from training.runtime import (
-    autocast_context,
-    peak_flops,
-    record_speed,
-    reproducible_blas,
-    resolve_compile,
-    resolve_device,
-    resolve_dtype,
-    run_facts,
-)
+from training.runtime import peak_flops, record_speed, reproducible_blas, resolve_compile, resolve_dtype, run_facts
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 LONG_RUN_SECONDS = 15 * 60  # a longer estimate without CUDA suggests the fast CPU recipe
@@ -61,7 +53,6 @@ class Run:
     micro_steps: int  # this rank's micro-batches per optimizer step
     autocast: Any
     start: int  # the step it starts (or resumes) at
-    resumed: bool
     facts: dict
     t_start: float
     best_val: float = math.inf
@@ -85,9 +76,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             lr = set_lr(run.optimizers, step, cfg)
             if (step % cfg.eval_interval == 0 or last_step) and dist.is_main:
                 stop = evaluate(run, step)
-                if stop is not None:
-                    break
-            if last_step:
+            if stop is not None or last_step:  # the eval's stop signal (a poll's breaks below), or the end
                 break
             loss, grad_norm = train_step(run, step)
             done = step + 1
@@ -122,13 +111,12 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     dtype, dtype_why = resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd),
                                      kept.get("dtype"))
     cfg = cfg.replace(dtype=str(dtype).removeprefix("torch."))  # what ran
-    use_compile, compile_why = resolve_compile(cfg.compile, device, cfg, cfg.max_iters - kept.get("step", 0),
+    use_compile, compile_why = resolve_compile(cfg.compile, device, cfg, cfg.max_iters - (ckpt or {}).get("step", 0),
                                                kept.get("compile"))
     cfg = cfg.replace(compile=str(use_compile).lower())
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     # data (int32: half of int64), model, optimizers, resumed state
-    splits = {name: torch.from_numpy(s.astype(np.int32)).to(device) for name, s in (("train", corpus.train),
-                                                                                     ("val", corpus.val))}
+    splits = {name: torch.from_numpy(getattr(corpus, name).astype(np.int32)).to(device) for name in ("train", "val")}
     torch.manual_seed(cfg.seed)
     batch_gen = torch.Generator(device=device).manual_seed(cfg.seed)
     model = checkpoint.model_from_checkpoint(ckpt, device, dropout=cfg.dropout, attn_backend=cfg.attn_backend)[0] \
@@ -152,8 +140,9 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     if moved:
         log.line(f"note: {moved}")
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits, micro_steps,
-              autocast_context(device, dtype), start, ckpt is not None, facts, t_start, best_val, history)
+    autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits, micro_steps, autocast,
+              start, facts, t_start, best_val, history)
     if device.type != "cuda" and log.enabled:
         announce_duration(run, argv)
     return run
@@ -203,7 +192,7 @@ def evaluate(run: Run, step: int) -> int | None:
         run.log.snapshot(step, run.model, run.tok.chars, run.splits["val"])
         if losses["val"] < run.best_val or cfg.always_save_checkpoint:
             run.best_val = min(run.best_val, losses["val"])
-            if step > run.start or (step > 0 and not run.resumed):  # not the state resumed from
+            if step > run.start:  # not the state resumed from (a fresh run starts at 0)
                 save(run, step)
     return None
 

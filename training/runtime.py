@@ -43,19 +43,18 @@ def remembered(name: str, measure: Callable[[], Any] | None = None, update: Call
     $XDG_CACHE_HOME/gpt-char/probes.json so a decision never flips on one noisy timing: measure() once if nothing
     is kept (None without it); update(kept) replaces what is kept. Returns (value, that file)."""
     path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-char" / "probes.json"
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
+    cpu, probes = "", {}
+    with contextlib.suppress(OSError):  # no /proc/cpuinfo: platform.processor()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
     key = f"{cpu or platform.processor()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {name}"
-    try:
+    with contextlib.suppress(OSError, ValueError):
         probes = json.loads(path.read_text())
-    except (OSError, ValueError):
-        probes = {}
     if update is not None or (key not in probes and measure is not None):
         probes[key] = update(probes.get(key)) if update is not None else measure()
-        try:
+        with contextlib.suppress(OSError):  # a read-only home: measured at every start instead
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, probes)
-        except OSError:  # a read-only home: measured at every start instead
-            pass
     return probes.get(key), path
 
 
@@ -92,13 +91,6 @@ def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int, kep
     saving, cost = steps * (runs["eager"] - runs["compiled"]) / 1000, runs["compile_s"]
     return saving > 2 * cost, (f"auto: {runs['compiled']:.0f} vs {runs['eager']:.0f} ms/step here, {steps} steps "
                                f"save {saving:.0f} s, compiling took {cost:.0f} s")
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
 
 
 def cpu_bf16_speedup(rows: int, width: int) -> float:
@@ -140,11 +132,6 @@ def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int], kept
     return getattr(torch, name), "as configured"
 
 
-def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
-    """Autocast to dtype; a no-op for float32."""
-    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-
-
 # data-sheet dense bf16 FLOP/s; other GPUs get no MFU (unless --peak_tflops), not a guess
 PEAK_BF16_FLOPS = [(r"\bH200\b(?!.*\bNVL\b)", 989.4e12), (r"\bH100\b(?!.*\b(PCIe|NVL)\b)", 989.4e12),
                    (r"\bA100\b", 312e12), (r"\bL40S\b", 362e12), (r"\bL4\b", 121e12), (r"\bA10G\b", 70e12),
@@ -170,10 +157,9 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
 
 def run_facts(argv: list[str]) -> dict[str, str | list[str]]:
     """What produced a run: argv, versions, git commit."""
-    try:
+    commit = "unknown"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                                 cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
     return {"argv": [sys.argv[0], *argv], "python": platform.python_version(), "torch": torch.__version__,
             "numpy": numpy.__version__, "git_commit": commit, "platform": platform.platform()}
