@@ -1,5 +1,6 @@
 """Checkpoints: contents, atomic writes, weights_only reads, resuming."""
 
+import itertools
 import json
 import math
 import os
@@ -61,7 +62,7 @@ def run_folder(cfg: Any) -> tuple[Path, str | None]:
         theirs = None
     ours = Path(cfg.dataset.removeprefix("hf:").split(":")[0]).stem or "data"
     base = out.name if theirs in (None, cfg.dataset) else f"{out.name}-{ours}"
-    name = next(n for n in (base, *(f"{base}-{i}" for i in range(2, 10**6)))
+    name = next(n for n in itertools.chain([base], (f"{base}-{i}" for i in itertools.count(2)))
                 if n != out.name and not (out.parent / n).exists())
     return out.parent / name, (f"{out} holds another run" + (f" (of {theirs})" if theirs else "") + f": this one "
                                f"writes to {out.parent / name} (--resume continues that run, --overwrite replaces it)")
