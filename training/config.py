@@ -77,7 +77,7 @@ class TrainConfig:
     split: str = opt("", "hf: only: split ('' = all, concatenated)")
     text_column: str = opt("", "hf: only: text column ('' = 'text' or the only string column)")
     documents: str = opt("", "a document per line or per blank-line-separated paragraph of a file ('' = the file "
-                            "is one text; a folder's files and an hf: dataset's rows are documents anyway)", DOCUMENTS)
+                             "is one text; a folder's files and an hf: dataset's rows are documents anyway)", DOCUMENTS)
     doc_mask: bool = opt(False, "no query reads a key of another document (needs documents)")
     out_dir: str = opt("out", "run folder: checkpoint, summary, config, TensorBoard events")
     n_layer: int = opt(6, "transformer blocks")
@@ -90,7 +90,7 @@ class TrainConfig:
     pos_emb: str = opt("learned", "learned position table, or rotary q/k (rope)", POS_EMBS)
     qk_norm: bool = opt(False, "RMS-normalise queries and keys per head")
     attn_window: int = opt(0, "sliding window: each query reads itself and the W - 1 keys before it (W keys, as "
-                             "torchtitan counts; FlashAttention's window_size=(W - 1, 0)); 0 = every earlier key")
+                              "torchtitan counts; FlashAttention's window_size=(W - 1, 0)); 0 = every earlier key")
     batch_size: int = opt(64, "sequences per micro-batch", rule=">= 1")
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step", rule=">= 1")
     max_iters: int = opt(5000, "optimizer steps", rule=">= 1")
