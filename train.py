@@ -1,7 +1,8 @@
 """Train a character-level GPT: python train.py [CONFIG.toml] [--field=value ...], or under torchrun (DDP).
 
-`train` reads top to bottom: set-up, then per step lr -> eval/checkpoint -> forward/backward/step -> log, then the
-exact val loss and the summary. `Run` holds what the steps share; each step's pieces are the functions below it.
+`train` reads top to bottom: set-up, then per step lr -> eval/checkpoint -> forward/backward/step -> checks -> log,
+then the exact val loss and the summary. `Run` holds what the steps share; each step's pieces are the functions below
+it, in this file: a step reads only it, data/corpus.py and model/.
 """
 
 import contextlib
@@ -10,17 +11,19 @@ import os
 import sys
 import time
 import timeit
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 import training.checkpoint as checkpoint
 from data import SEPARATOR, CharTokenizer, check_split_sizes, get_batch, load_corpus
 from model import GPT
-from training import Stopped, TrainConfig, estimate_loss, exact_loss, parse_args, print_help, resolve_device, set_lr
+from training import Stopped, TrainConfig, estimate_loss, exact_loss, parse_args, print_help, resolve_device
 from training.distributed import Dist, close_distributed, init_distributed, launched_by_torchrun
 from training.evaluate import evaluating
 from training.faults import RunGuard, exit_code, signal_name
@@ -33,6 +36,7 @@ LONG_RUN_SECONDS = 15 * 60  # a longer estimate without CUDA suggests the fast C
 EVAL_TOKENS_PER_FORWARD = 4096  # fastest inference batch on a CPU (RESULTS.md)
 # user or machine errors: one line, exit status 1, no traceback
 RUN_ERRORS = (ValueError, FloatingPointError, ConnectionError, ImportError, OSError)
+NO_STEP = 2**62  # "no bad step yet": above any step, so a MIN over ranks keeps real ones
 
 
 @dataclass
@@ -49,14 +53,21 @@ class Run:
     optimizers: list[torch.optim.Optimizer]
     scaler: torch.amp.GradScaler
     batch_gen: torch.Generator
-    splits: dict[str, torch.Tensor]  # "train", "val": (N,) token ids on the device
+    splits: dict[str, Tensor]  # "train", "val": (N,) token ids on the device
     micro_steps: int  # this rank's micro-batches per optimizer step
     autocast: Any
     start: int  # the step it starts (or resumes) at
     facts: dict
     t_start: float
-    best_val: float = math.inf
-    history: list[dict] = field(default_factory=list)
+    best_val: float
+    history: list[dict]
+    first_bad: Tensor  # () int64 on the device: the step of the first non-finite loss, NO_STEP before one
+    bad_loss: Tensor  # () float32 on the device: that loss
+    # the training clock (stopped for evals and saves) and this run's steps: (steps, clock seconds) at log steps
+    train_seconds: float = 0.0
+    mark: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    marks: list[tuple[int, float]] = field(default_factory=list)
 
 
 def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
@@ -65,7 +76,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     out_dir, moved = checkpoint.run_folder(cfg)  # never into another run's folder, unless asked
     cfg = cfg.replace(out_dir=str(out_dir))
     dist = init_distributed(os.environ, cfg.device)
-    guard = RunGuard(dist.device, out_dir / checkpoint.CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
+    guard = RunGuard(out_dir / checkpoint.CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
     try:
         run = set_up(cfg, dist, guard, argv or [], verbose, t_start, moved)
         cfg = run.cfg  # with dtype and compile decided
@@ -81,8 +92,8 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             loss, grad_norm = train_step(run, step)
             done = step + 1
             log_step = step % cfg.log_interval == 0 or step == cfg.max_iters - 1
-            stop = guard.poll(sync=log_step)  # raises on a non-finite loss
-            run.log.step_done(step, loss, lr, grad_norm, log_step)
+            stop = check_step(run, sync=log_step)  # raises on a non-finite loss
+            log_progress(run, step, loss, lr, grad_norm, log_step)
             if stop is not None:
                 break
         return finish(run, done, stop)
@@ -142,7 +153,8 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits, micro_steps, autocast,
-              start, facts, t_start, best_val, history)
+              start, facts, t_start, best_val, history, first_bad=torch.tensor(NO_STEP, device=device),
+              bad_loss=torch.zeros((), device=device))
     if device.type != "cuda" and log.enabled:
         announce_duration(run, argv)
     return run
@@ -174,21 +186,44 @@ def estimated_seconds(run: Run) -> tuple[float, float]:
     return seconds / n * forwards, seconds / n
 
 
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """lr of 0-based `step`: linear warmup, then cosine (or wsd) decay to min_lr at lr_decay_iters."""
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
+    if step >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    if cfg.lr_schedule == "wsd":
+        start = max(cfg.warmup_iters, cfg.lr_decay_iters * (1 - cfg.cooldown_frac))
+        progress = max(0.0, step - start) / max(1.0, cfg.lr_decay_iters - start)  # 0 while stable
+        return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
+    progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], step: int, cfg: TrainConfig) -> float:
+    """Set every group's lr, scaled by its optimizer's peak; returns AdamW's (the logged one)."""
+    lr = lr_at(step, cfg)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = opt.defaults["lr"] * lr / cfg.learning_rate
+    return lr
+
+
 def evaluate(run: Run, step: int) -> int | None:
     """Estimate both losses, log them and a snapshot, save when val improves; the stop signal if one came."""
     cfg, device = run.cfg, run.dist.device
     group = 1 if cfg.compile == "true" else max(1, EVAL_TOKENS_PER_FORWARD // (cfg.batch_size * cfg.block_size))
-    with run.log.paused(device):
+    with paused(run):
         try:
             losses = estimate_loss(run.fwd, run.splits, cfg, device, run.autocast, group, run.guard.stopping,
                                    run.log.enabled)
         except Stopped:  # the estimate is dropped
             return run.guard.signum
         if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
-            run.guard.check_before_save(run.model)  # raises first if a train loss was non-finite
+            check_finite(run)  # raises first if a train loss was non-finite
             raise FloatingPointError(f"the loss estimate at step {step} is not finite ({losses}); stopped without "
                                      f"saving: {run.guard.kept()}")
-        run.history.append(run.log.evaluation(step, losses, run.t_start))
+        run.history.append(run.log.evaluation(step, losses, run.train_seconds, time.perf_counter() - run.t_start))
         run.log.snapshot(step, run.model, run.tok.chars, run.splits["val"])
         if losses["val"] < run.best_val or cfg.always_save_checkpoint:
             run.best_val = min(run.best_val, losses["val"])
@@ -197,16 +232,19 @@ def evaluate(run: Run, step: int) -> int | None:
     return None
 
 
-def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def train_step(run: Run, step: int) -> tuple[Tensor, Tensor | None]:
     """One optimizer step over gradient_accumulation_steps micro-batches: (last micro-batch's loss, grad norm)."""
-    cfg, dist, scaler, micro_steps = run.cfg, run.dist, run.scaler, run.micro_steps
+    cfg, scaler, micro_steps = run.cfg, run.scaler, run.micro_steps
     for micro in range(micro_steps):
-        x, y = get_batch(run.splits["train"], cfg.batch_size, cfg.block_size, run.batch_gen, dist.device)
-        with dist.sync_gradients(run.fwd, last_micro_step=micro == micro_steps - 1):
-            with run.autocast:
-                _, loss = run.fwd(x, y)
-            scaler.scale(loss / micro_steps).backward()
-        run.guard.observe(loss, step)  # device-side: no host read
+        x, y = get_batch(run.splits["train"], cfg.batch_size, cfg.block_size, run.batch_gen, run.dist.device)
+        if run.dist.enabled:  # DDP all-reduces the gradients in the last micro-batch's backward only
+            run.fwd.require_backward_grad_sync = micro == micro_steps - 1
+        with run.autocast:
+            _, loss = run.fwd(x, y)
+        scaler.scale(loss / micro_steps).backward()
+        bad = ~torch.isfinite(loss.detach()) & (run.first_bad == NO_STEP)  # the first non-finite loss: kept on the
+        run.first_bad = torch.where(bad, step, run.first_bad)  # device, no host read per step
+        run.bad_loss = torch.where(bad, loss.detach().float(), run.bad_loss)
     grad_norm = None
     if cfg.grad_clip > 0:
         for opt in run.optimizers:
@@ -219,12 +257,86 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     return loss, grad_norm
 
 
+def check_step(run: Run, sync: bool) -> int | None:
+    """At a step's end: raise if a loss was non-finite, else the signal to stop for or None. It reads the device at
+    `sync` steps only (and once a signal came); distributed, the ranks agree on both there."""
+    signum = run.guard.signum
+    if not run.dist.enabled:
+        if sync or signum is not None:
+            raise_if_bad(run, run.first_bad.item(), local=True)
+        return signum
+    if not sync:
+        return None
+    flags = torch.stack([run.first_bad, torch.tensor(-(signum or 0), device=run.first_bad.device)])
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)  # the first bad step, any signal
+    first_bad, signum = flags.tolist()
+    raise_if_bad(run, first_bad, local=first_bad == run.first_bad.item())
+    return -signum or None
+
+
+def raise_if_bad(run: Run, first_bad: int, local: bool) -> None:
+    """FloatingPointError if step first_bad had a non-finite loss (local: this rank's, whose value it names)."""
+    if first_bad != NO_STEP:
+        what = f"loss is {run.bad_loss.item()}" if local else "loss is not finite (on another rank)"
+        raise not_finite(run, f"{what} at step {first_bad}; stopped without saving anything from that step on")
+
+
+def log_progress(run: Run, step: int, loss: Tensor, lr: float, grad_norm: Tensor | None, log: bool) -> None:
+    """After each step: the bar and the lr; at log steps (the only host reads) the progress line and scalars."""
+    out = run.log
+    run.steps += 1
+    out.bar.update()
+    scalars = {"optim/lr": lr}  # every step: a sparse, smoothed lr draws humps the schedule lacks
+    if log:
+        loss_f, seconds = loss.item(), run.train_seconds + time.perf_counter() - run.mark
+        steps_before, seconds_before = run.marks[-1] if run.marks else (0, 0.0)
+        run.marks.append((run.steps, seconds))
+        tok_s = run.steps * out.tokens_per_step / max(seconds, 1e-9)
+        text = (f"loss {loss_f:.4f} ({loss_f / math.log(2):.3f} bpc) | lr {lr:.2e} | "
+                f"{1000 * (seconds - seconds_before) / (run.steps - steps_before):.1f} ms/step | {tok_s:,.0f} tok/s")
+        if out.interactive:
+            out.bar.set_postfix_str(text, refresh=False)
+        elif out.enabled:
+            print(f"step {step:6d} | {text}", flush=True)
+        scalars |= {"loss/train": loss_f, "speed/tokens_per_second": tok_s}
+        if out.peak is not None:
+            scalars["speed/mfu"] = out.flops_per_token * tok_s / out.peak  # 0..1
+        if grad_norm is not None:
+            scalars["optim/grad_norm"] = grad_norm.item()
+    for name, value in scalars.items() if out.writer is not None else ():
+        out.writer.add_scalar(name, value, step)
+
+
+@contextlib.contextmanager
+def paused(run: Run) -> Iterator[None]:
+    """The training clock stopped for the block (evals, saves)."""
+    if run.dist.device.type == "cuda":
+        torch.cuda.synchronize()  # queued step work is training time
+    run.train_seconds += time.perf_counter() - run.mark
+    try:
+        yield
+    finally:
+        run.mark = time.perf_counter()
+
+
 def save(run: Run, steps: int, **extra: str) -> None:
     """Checkpoint the state after `steps` steps (never a NaN one)."""
-    run.guard.check_before_save(run.model)
+    check_finite(run)
     state = checkpoint.training_state(run.model, run.optimizers, run.cfg, run.tok, steps, run.best_val, run.batch_gen,
                                       run.history)
     checkpoint.save_checkpoint(run.guard.ckpt_path, {**state, **extra})
+
+
+def check_finite(run: Run) -> None:
+    """Refuse to save after a non-finite loss or with non-finite weights."""
+    raise_if_bad(run, run.first_bad.item(), local=True)
+    if not torch.stack([torch.isfinite(p).all() for p in run.model.parameters()]).all():
+        raise not_finite(run, "the model's weights are no longer finite; stopped without saving")
+
+
+def not_finite(run: Run, what: str) -> FloatingPointError:
+    return FloatingPointError(f"{what}: {run.guard.kept()}. Try a lower learning_rate or grad_clip > 0 (in float16: "
+                              "dtype=bfloat16).")
 
 
 def finish(run: Run, done: int, stop: int | None) -> dict:
@@ -232,7 +344,7 @@ def finish(run: Run, done: int, stop: int | None) -> dict:
     cfg, log, device, final_val = run.cfg, run.log, run.dist.device, None
     if cfg.exact_val and stop is None and run.dist.is_main:
         try:
-            with log.paused(device):
+            with paused(run):
                 windows = max(cfg.batch_size, EVAL_TOKENS_PER_FORWARD // cfg.block_size)
                 final_val = exact_loss(run.model, run.splits["val"], cfg.block_size, windows, device, run.autocast,
                                        run.guard.stopping, log.enabled)
@@ -246,8 +358,9 @@ def finish(run: Run, done: int, stop: int | None) -> dict:
         save(run, done, interrupted=interrupted)
         log.line(f"interrupted by {interrupted} after {done} steps: saved {run.guard.ckpt_path} at step {done}; run "
                  "the same command with --resume to continue")
-    summary = log.summary(run.facts, run.history, best_val_loss=run.best_val, final_val_loss=final_val, steps=done,
-                          wall_seconds=time.perf_counter() - run.t_start, interrupted=interrupted)
+    summary = log.summary(run.facts, run.history, run.marks, run.steps, run.train_seconds, best_val_loss=run.best_val,
+                          final_val_loss=final_val, steps=done, wall_seconds=time.perf_counter() - run.t_start,
+                          interrupted=interrupted)
     log.finish(summary, done, interrupted)
     if device.type == "cpu" and run.dist.is_main:
         record_speed(cfg, summary)

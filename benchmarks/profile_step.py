@@ -42,9 +42,8 @@ def main(argv: list[str]) -> int:
         argv = [str(ROOT / "configs" / "shakespeare_char_cpu.toml"), *argv]
     out = tempfile.mkdtemp(prefix="profile_step-")  # set_up writes config.json there
     cfg = parse_args([*argv, "--tensorboard=false", "--compile=false", f"--out_dir={out}", f"--max_iters={steps + 20}"])
-    run = train.set_up(cfg, train.init_distributed({}, cfg.device), train.RunGuard(
-        torch.device(cfg.device if cfg.device != "auto" else "cpu"), f"{out}/ckpt.pt", False, False), [], False,
-        time.perf_counter(), None)
+    run = train.set_up(cfg, train.init_distributed({}, cfg.device), train.RunGuard(f"{out}/ckpt.pt", False, False), [],
+                       False, time.perf_counter(), None)
     for step in range(20):
         train.train_step(run, step)
     times = []

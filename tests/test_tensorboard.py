@@ -17,7 +17,7 @@ from tensorboard.plugins.hparams import api_pb2, metadata
 
 import train
 from tiny import ROOT, ctrl_c_in_batch, tiny_config
-from training import CKPT_NAME, lr_at, parse_args
+from training import CKPT_NAME, parse_args
 from training.log import ATTENTION_CHARS
 from training.visualize import EMPTY, layout_for
 
@@ -63,7 +63,7 @@ def test_scalars_are_written_at_every_step_and_every_eval_and_the_fast_cpu_recip
                 "loss/val_exact": [cfg.max_iters], "loss/val_bpc_exact": [cfg.max_iters]}
     for tag, want in expected.items():
         assert steps(acc, tag) == list(want), tag
-    assert all(math.isclose(e.value, lr_at(e.step, cfg), rel_tol=1e-6) for e in acc.Scalars("optim/lr"))  # its step's
+    assert all(math.isclose(e.value, train.lr_at(e.step, cfg), rel_tol=1e-6) for e in acc.Scalars("optim/lr"))
     # the tiny run evaluates at the recipe's eval_interval / max_iters
     assert RECIPE.max_iters // RECIPE.eval_interval + 1 >= 8 and len(evals) >= 8, "the recipe evaluates < 8 times"
 

@@ -1,6 +1,5 @@
 """DDP under torchrun: rank 0 alone logs, evaluates and writes; ranks share the micro-batches."""
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -43,10 +42,6 @@ class Dist:
             return module
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
-
-    def sync_gradients(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        """Context for a micro-batch's forward/backward: DDP all-reduces on the last only."""
-        return model.no_sync() if self.enabled and not last_micro_step else contextlib.nullcontext()
 
 
 def launched_by_torchrun(env: Mapping[str, str]) -> bool:

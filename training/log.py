@@ -1,11 +1,9 @@
 """One logging path: progress line, TensorBoard (scalars, sample, attention, HParams), clock, summary.
 TensorBoard tags are grouped loss/, maps/, optim/, speed/: its alphabetical order opens on the losses."""
 
-import contextlib
+import itertools
 import math
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +41,7 @@ def format_duration(seconds: float) -> str:
 
 
 class RunLog:
-    """Progress line (tqdm bar on a terminal), TensorBoard and training clock; silent unless enabled."""
+    """Lines above a tqdm bar (on a terminal; train.py steps it), TensorBoard; silent unless enabled."""
 
     def __init__(self, cfg: TrainConfig, model: GPT, peak: float | None, initial: int, enabled: bool = True) -> None:
         self.cfg, self.enabled, self.peak = cfg, enabled, peak
@@ -52,8 +50,6 @@ class RunLog:
         self.interactive = enabled and sys.stderr.isatty()
         self.bar = tqdm(total=cfg.max_iters, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
                         disable=not self.interactive)
-        self.train_seconds, self.steps, self.interval_ms, self.mfu = 0.0, 0, [], None
-        self._mark, self._last, self._first = time.perf_counter(), (0, 0.0), None  # (steps, train seconds) at logs
         self.writer = None
         if enabled and cfg.tensorboard:
             from tensorboard.plugins.hparams import summary_v2 as hp
@@ -72,54 +68,18 @@ class RunLog:
         elif self.enabled:
             print(text, flush=True)
 
-    @contextlib.contextmanager
-    def paused(self, device: torch.device) -> Iterator[None]:
-        """Training clock stopped for the block (evals, saves)."""
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # queued step work is training time
-        self.train_seconds += time.perf_counter() - self._mark
-        try:
-            yield
-        finally:
-            self._mark = time.perf_counter()
-
-    def step_done(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | None, log: bool) -> None:
-        """After each step; at log steps (the only host reads) progress line and scalars."""
-        self.steps += 1
-        self.bar.update()
-        self.scalars(step, {"optim/lr": lr})  # every step: a sparse, smoothed lr draws humps the schedule lacks
-        if not log:
-            return
-        loss_f, elapsed = loss.item(), self.train_seconds + time.perf_counter() - self._mark
-        tok_s = self.steps * self.tokens_per_step / max(elapsed, 1e-9)
-        self.interval_ms.append(1000 * (elapsed - self._last[1]) / (self.steps - self._last[0]))
-        self._first = self._first or (self.steps, elapsed)  # a compile's cost shows in the first interval
-        self._last = (self.steps, elapsed)
-        text = (f"loss {loss_f:.4f} ({bpc(loss_f):.3f} bpc) | lr {lr:.2e} | {self.interval_ms[-1]:.1f} ms/step | "
-                f"{tok_s:,.0f} tok/s")
-        if self.interactive:
-            self.bar.set_postfix_str(text, refresh=False)
-        else:
-            self.line(f"step {step:6d} | {text}")
-        scalars = {"loss/train": loss_f, "speed/tokens_per_second": tok_s}
-        if self.peak is not None:
-            self.mfu = scalars["speed/mfu"] = self.flops_per_token * tok_s / self.peak  # 0..1
-        if grad_norm is not None:
-            scalars["optim/grad_norm"] = grad_norm.item()
-        self.scalars(step, scalars)
-
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, step)
 
-    def evaluation(self, step: int, losses: dict[str, float], t_start: float) -> dict:
+    def evaluation(self, step: int, losses: dict[str, float], train_seconds: float, wall_seconds: float) -> dict:
         """Log an eval's estimates; returns its history entry."""
         train, val = losses["train"], losses["val"]
         self.line(f"step {step}: train loss {train:.4f}, val loss {val:.4f} ({bpc(val):.3f} bpc)")
         self.scalars(step, {"loss/train_estimate": train, "loss/val": val, "loss/val_bpc": bpc(val)})
-        return {"step": step, "train_loss": train, "val_loss": val, "train_seconds": self.train_seconds,
-                "wall_seconds": time.perf_counter() - t_start}
+        return {"step": step, "train_loss": train, "val_loss": val, "train_seconds": train_seconds,
+                "wall_seconds": wall_seconds}
 
     def snapshot(self, step: int, model: GPT, chars: list[str], val: np.ndarray) -> None:
         """Text sample (own generator) and attention maps to TensorBoard."""
@@ -165,15 +125,21 @@ class RunLog:
                 self.writer.file_writer.add_summary(hparams({}, {})[2], final_step)
             self.writer.close()
 
-    def summary(self, facts: dict, history: list[dict], **figures: Any) -> dict:
-        """figures plus bpc, run facts and this process's throughput."""
-        seconds, final = self.train_seconds, figures["final_val_loss"]
-        median = float(np.median(self.interval_ms)) if self.interval_ms else None
+    def summary(self, facts: dict, history: list[dict], marks: list[tuple[int, float]], steps_this_run: int,
+                seconds: float, **figures: Any) -> dict:
+        """figures plus bpc, run facts and this process's throughput: steps_this_run in `seconds` of training, marks
+        = (steps, training seconds) at each log step."""
+        final = figures["final_val_loss"]
+        intervals = [1000 * (e - e0) / (n - n0) for (n0, e0), (n, e) in itertools.pairwise([(0, 0.0), *marks])]
+        median = float(np.median(intervals)) if intervals else None
+        mfu = self.flops_per_token * marks[-1][0] * self.tokens_per_step / max(marks[-1][1], 1e-9) / self.peak \
+            if marks and self.peak is not None else None
         return {**figures, "final_val_bpc": None if final is None else bpc(final),
                 "last_val_estimate": history[-1]["val_loss"] if history else None,
                 **{k: facts[k] for k in ("params", "device", "dtype", "world_size")},
                 "peak_memory_mb": peak_memory_mb(torch.device(facts["device"])), "history": history,
-                "steps_this_run": self.steps, "train_seconds": seconds, "mfu": self.mfu,
-                "tokens_per_second": self.steps * self.tokens_per_step / seconds if seconds > 0 else None,
+                "steps_this_run": steps_this_run, "train_seconds": seconds, "mfu": mfu,
+                "tokens_per_second": steps_this_run * self.tokens_per_step / seconds if seconds > 0 else None,
                 "ms_per_step_median": median,
-                "first_log_excess_s": self._first[1] - self._first[0] * median / 1000 if self._first else None}
+                # a compile's cost shows in the first interval
+                "first_log_excess_s": marks[0][1] - marks[0][0] * median / 1000 if marks else None}

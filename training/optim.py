@@ -1,6 +1,4 @@
-"""Optimizers (torch's AdamW; Muon for the blocks' matrices) and the lr schedule."""
-
-import math
+"""Optimizers: torch's AdamW, and Muon for the blocks' matrices."""
 
 import torch
 from torch import Tensor, nn
@@ -61,26 +59,3 @@ def configure_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim
         ns_dtype = torch.bfloat16 if bf16_pays(device, 4 * cfg.n_embd, cfg.n_embd, min_work=0)[0] else torch.float32
         optimizers.insert(0, Muon(muon, lr=cfg.muon_lr, momentum=cfg.muon_momentum, ns_dtype=ns_dtype))
     return optimizers
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """lr of 0-based `step`: linear warmup, then cosine (or wsd) decay to min_lr at lr_decay_iters."""
-    if step < cfg.warmup_iters:
-        return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
-    if step >= cfg.lr_decay_iters:
-        return cfg.min_lr
-    if cfg.lr_schedule == "wsd":
-        start = max(cfg.warmup_iters, cfg.lr_decay_iters * (1 - cfg.cooldown_frac))
-        progress = max(0.0, step - start) / max(1.0, cfg.lr_decay_iters - start)  # 0 while stable
-        return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
-    progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
-
-
-def set_lr(optimizers: list[torch.optim.Optimizer], step: int, cfg: TrainConfig) -> float:
-    """Set every group's lr, scaled by its optimizer's peak; returns AdamW's (the logged one)."""
-    lr = lr_at(step, cfg)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = opt.defaults["lr"] * lr / cfg.learning_rate
-    return lr
