@@ -15,7 +15,7 @@ from model import GPT
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
 from training.config import check_fields, opt, parse_args, print_help
 from training.runtime import reproducible_blas
-from training.visualize import prompt_attention, save_attention_png
+from training.visualize import prompt_attention, render_attention
 
 HELP_HEAD = ("usage: python sample.py [--option=value ...]", "", __doc__, "", "options:")
 
@@ -82,12 +82,15 @@ def load(args: SampleConfig) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
 
 def attention_png(args: SampleConfig) -> None:
     """Draw each layer's and head's attention over the prompt's last block_size characters."""
+    from PIL import Image  # here: only the maps need it
+
     model, _, prompt, full, ckpt = load(args)
     prompt, ids = prompt[-model.config.block_size:], full[-model.config.block_size:]
     maps = prompt_attention(model, ids)  # L x (H, T, T)
-    path = args.attention_png or ckpt.parent / "attention.png"
+    path = Path(args.attention_png or ckpt.parent / "attention.png")
     try:
-        save_attention_png(path, maps, list(prompt))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(render_attention(maps, list(prompt))).save(path, format="PNG")
     except OSError as e:
         raise ValueError(f"--attention_png: cannot write {path}: {e.strerror or e}") from None
     cropped = f" (the last {len(ids)} of the prompt's {len(full)} characters)" if len(full) > len(ids) else ""

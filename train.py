@@ -30,10 +30,12 @@ from training.faults import RunGuard, exit_code, signal_name
 from training.log import RunLog, bpc, format_duration
 from training.optim import configure_optimizers
 from training.runtime import peak_flops, record_speed, reproducible_blas, resolve_compile, resolve_dtype, run_facts
+from training.visualize import prompt_attention, render_attention
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 LONG_RUN_SECONDS = 15 * 60  # a longer estimate without CUDA suggests the fast CPU recipe
 EVAL_TOKENS_PER_FORWARD = 4096  # fastest inference batch on a CPU (RESULTS.md)
+ATTENTION_CHARS = 32  # TensorBoard's attention maps: 32 x 32 cells stay readable
 # user or machine errors: one line, exit status 1, no traceback
 RUN_ERRORS = (ValueError, FloatingPointError, ConnectionError, ImportError, OSError)
 NO_STEP = 2**62  # "no bad step yet": above any step, so a MIN over ranks keeps real ones
@@ -142,7 +144,8 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
              "compile": use_compile, "params": model.num_params(), "corpus": corpus.name, "world_size": dist.world_size}
     if dist.is_main:
         checkpoint.prepare_run_folder(cfg, facts)
-    log = RunLog(cfg, model, peak_flops(device, cfg.peak_tflops), start, enabled=verbose and dist.is_main)
+    log = RunLog(cfg, model.flops_per_token(cfg.block_size), peak_flops(device, cfg.peak_tflops), start,
+                 enabled=verbose and dist.is_main)
     log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, {tok.vocab_size} symbols "
              f"| {model.num_params() / 1e6:.2f}M params | {device} {cfg.dtype} ({dtype_why}) | "
              f"{'compiled' if use_compile else 'eager'} ({compile_why})"
@@ -224,12 +227,30 @@ def evaluate(run: Run, step: int) -> int | None:
             raise FloatingPointError(f"the loss estimate at step {step} is not finite ({losses}); stopped without "
                                      f"saving: {run.guard.kept()}")
         run.history.append(run.log.evaluation(step, losses, run.train_seconds, time.perf_counter() - run.t_start))
-        run.log.snapshot(step, run.model, run.tok.chars, run.splits["val"])
+        snapshot(run, step)
         if losses["val"] < run.best_val or cfg.always_save_checkpoint:
             run.best_val = min(run.best_val, losses["val"])
             if step > run.start:  # not the state resumed from (a fresh run starts at 0)
                 save(run, step)
     return None
+
+
+def snapshot(run: Run, step: int) -> None:
+    """TensorBoard's view of the model at an eval: a text sample (own generator), each layer's attention maps."""
+    cfg, model, chars, writer, device = run.cfg, run.model, run.tok.chars, run.log.writer, run.dist.device
+    if writer is None:
+        return
+    if cfg.sample_tokens > 0:
+        start = next((chars.index(c) for c in (SEPARATOR, "\n") if c in chars), 0)  # a new document, or line
+        gen = torch.Generator(device=device).manual_seed(cfg.seed)
+        with evaluating(model):
+            new = model.stream(torch.tensor([[start]], device=device), cfg.sample_tokens, generator=gen)
+            text = (chars[start] + "".join(chars[int(t)] for t in new)).replace(SEPARATOR, "\n")
+        writer.add_text("sample", "\n".join("    " + s for s in text.split("\n")), step)  # verbatim
+    ids = run.splits["val"][:min(ATTENTION_CHARS, cfg.block_size)].tolist()
+    for layer, weights in enumerate(prompt_attention(model, ids)):
+        image = render_attention([weights], [chars[i] for i in ids], [layer])
+        writer.add_image(f"maps/attention_layer_{layer}", image, step, dataformats="HWC")
 
 
 def train_step(run: Run, step: int) -> tuple[Tensor, Tensor | None]:

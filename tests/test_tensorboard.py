@@ -18,7 +18,6 @@ from tensorboard.plugins.hparams import api_pb2, metadata
 import train
 from tiny import ROOT, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, parse_args
-from training.log import ATTENTION_CHARS
 from training.visualize import EMPTY, layout_for
 
 METRICS = {"loss/val_exact", "loss/val"}
@@ -88,7 +87,7 @@ def test_a_text_sample_continuing_a_newline_and_attention_images_leaving_the_fut
         assert all(line.startswith("    ") for line in lines) and text[0] == "\n" and len(text) == 1 + cfg.sample_tokens
     # attention images: one tag per layer
     assert set(acc.Tags()["images"]) == {f"maps/attention_layer_{layer}" for layer in range(cfg.n_layer)}
-    T = min(ATTENTION_CHARS, cfg.block_size)  # the val split's first characters
+    T = min(train.ATTENTION_CHARS, cfg.block_size)  # the val split's first characters
     lay, future = layout_for(1, cfg.n_head, T), np.triu(np.ones((T, T), dtype=bool), 1)  # future: key after query
     for layer in range(cfg.n_layer):
         images = acc.Images(f"maps/attention_layer_{layer}")

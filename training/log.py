@@ -1,4 +1,4 @@
-"""One logging path: progress line, TensorBoard (scalars, sample, attention, HParams), clock, summary.
+"""One output path: lines above the progress bar, TensorBoard (scalars, HParams), summary.json.
 TensorBoard tags are grouped loss/, maps/, optim/, speed/: its alphabetical order opens on the losses."""
 
 import itertools
@@ -11,19 +11,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data import SEPARATOR
-from model import GPT
-
 from .checkpoint import json_safe, write_json
 from .config import TrainConfig
-from .evaluate import evaluating
 from .runtime import peak_memory_mb
-from .visualize import prompt_attention, render_attention
 
 # few columns: at 1400 px the table shows the metrics without scrolling (every field stays in the session's info)
 HPARAMS = ("n_layer", "n_embd", "learning_rate")
 METRICS = ("loss/val_exact", "loss/val")
-ATTENTION_CHARS = 32  # attention prompt length: 32 x 32 cells stay readable
 
 
 def bpc(loss: float) -> float:
@@ -43,10 +37,11 @@ def format_duration(seconds: float) -> str:
 class RunLog:
     """Lines above a tqdm bar (on a terminal; train.py steps it), TensorBoard; silent unless enabled."""
 
-    def __init__(self, cfg: TrainConfig, model: GPT, peak: float | None, initial: int, enabled: bool = True) -> None:
-        self.cfg, self.enabled, self.peak = cfg, enabled, peak
+    def __init__(self, cfg: TrainConfig, flops_per_token: float, peak: float | None, initial: int,
+                 enabled: bool = True) -> None:
+        """peak: the device's FLOP/s (None: no MFU); initial: the step the bar starts at."""
+        self.cfg, self.enabled, self.flops_per_token, self.peak = cfg, enabled, flops_per_token, peak
         self.tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * cfg.block_size
-        self.flops_per_token = model.flops_per_token(cfg.block_size)
         self.interactive = enabled and sys.stderr.isatty()
         self.bar = tqdm(total=cfg.max_iters, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
                         disable=not self.interactive)
@@ -80,23 +75,6 @@ class RunLog:
         self.scalars(step, {"loss/train_estimate": train, "loss/val": val, "loss/val_bpc": bpc(val)})
         return {"step": step, "train_loss": train, "val_loss": val, "train_seconds": train_seconds,
                 "wall_seconds": wall_seconds}
-
-    def snapshot(self, step: int, model: GPT, chars: list[str], val: np.ndarray) -> None:
-        """Text sample (own generator) and attention maps to TensorBoard."""
-        if self.writer is None:
-            return
-        device = model.tok_emb.weight.device
-        if self.cfg.sample_tokens > 0:
-            start = next((chars.index(c) for c in (SEPARATOR, "\n") if c in chars), 0)  # a new document, or line
-            gen = torch.Generator(device=device).manual_seed(self.cfg.seed)
-            with evaluating(model):
-                new = model.stream(torch.tensor([[start]], device=device), self.cfg.sample_tokens, generator=gen)
-                text = (chars[start] + "".join(chars[int(t)] for t in new)).replace(SEPARATOR, "\n")
-            self.writer.add_text("sample", "\n".join("    " + s for s in text.split("\n")), step)  # verbatim
-        ids = val[:min(ATTENTION_CHARS, self.cfg.block_size)].tolist()
-        for layer, weights in enumerate(prompt_attention(model, ids)):
-            image = render_attention([weights], [chars[i] for i in ids], [layer])
-            self.writer.add_image(f"maps/attention_layer_{layer}", image, step, dataformats="HWC")
 
     def finish(self, summary: dict, final_step: int, interrupted: str | None) -> None:
         """The run in two lines (what it reached, where it is and how to sample it), summary.json, exact val

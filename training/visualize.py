@@ -4,7 +4,6 @@ causal mask's upper triangle). L layers, H heads, T prompt length."""
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -61,12 +60,12 @@ def colour(weights: np.ndarray) -> np.ndarray:
     return np.rint(rgb).astype(np.uint8)
 
 
-def render_attention(maps: Sequence[Tensor | np.ndarray], chars: Sequence[str],
+def render_attention(maps: Sequence[Tensor], chars: Sequence[str],
                      layer_ids: Sequence[int] | None = None) -> np.ndarray:
     """L maps (H, T, T) [h, query, key], labelled with T chars, above a colour scale -> (height, width, 3) uint8."""
     from PIL import Image, ImageDraw, ImageFont
 
-    weights = [m.float().numpy(force=True) if isinstance(m, Tensor) else np.asarray(m) for m in maps]
+    weights = [m.float().numpy(force=True) for m in maps]
     if not weights or any(w.shape != weights[0].shape or w.shape[1:] != (len(chars),) * 2 for w in weights):
         raise ValueError(f"need L >= 1 maps (H, T, T) for T = {len(chars)} chars, got {[w.shape for w in weights]}")
     lay = layout_for(len(weights), len(weights[0]), len(chars))
@@ -111,11 +110,3 @@ def prompt_attention(model: GPT, ids: Sequence[int]) -> list[Tensor]:
             hooks.enter_context(block.attn.register_forward_pre_hook(ask))
         model(torch.tensor([list(ids)], device=model.tok_emb.weight.device))
     return maps
-
-
-def save_attention_png(path: str | Path, maps: Sequence[Tensor | np.ndarray], chars: Sequence[str]) -> None:
-    """Save render_attention(maps, chars) as a PNG."""
-    from PIL import Image
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(render_attention(maps, chars)).save(path, format="PNG")
