@@ -258,11 +258,11 @@ def train_step(run: Run, step: int) -> tuple[Tensor, Tensor | None]:
     cfg, scaler, micro_steps = run.cfg, run.scaler, run.micro_steps
     for micro in range(micro_steps):
         x, y = get_batch(run.splits["train"], cfg.batch_size, cfg.block_size, run.batch_gen, run.dist.device)
-        if run.dist.enabled:  # DDP all-reduces the gradients in the last micro-batch's backward only
-            run.fwd.require_backward_grad_sync = micro == micro_steps - 1
-        with run.autocast:
-            _, loss = run.fwd(x, y)
-        scaler.scale(loss / micro_steps).backward()
+        sync = not run.dist.enabled or micro == micro_steps - 1  # DDP all-reduces in the last backward only
+        with contextlib.nullcontext() if sync else run.fwd.no_sync():
+            with run.autocast:
+                _, loss = run.fwd(x, y)
+            scaler.scale(loss / micro_steps).backward()
         bad = ~torch.isfinite(loss.detach()) & (run.first_bad == NO_STEP)  # the first non-finite loss: kept on the
         run.first_bad = torch.where(bad, step, run.first_bad)  # device, no host read per step
         run.bad_loss = torch.where(bad, loss.detach().float(), run.bad_loss)
