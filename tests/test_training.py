@@ -4,6 +4,7 @@ evaluation, optimizers, and what a GPU step must not do (read the host, break th
 
 import json
 import math
+import re
 import sys
 import tomllib
 
@@ -18,7 +19,7 @@ import training.runtime as runtime
 from data import load_corpus
 from model import GPT, GPTConfig
 from mutants import REAL, batcher, rule_leaks_one_step, substitute
-from tiny import CPU_CONFIGS, ROOT, tiny_config
+from tiny import CPU_CONFIGS, ROOT, TEXT, tiny_config
 from training import TrainConfig, configure_optimizers, estimate_loss, exact_loss, parse_args
 from training.evaluate import evaluating
 from training.optim import Muon, orthogonalize
@@ -371,6 +372,20 @@ def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choic
                             else (says, ""))
         summary = train.train(run, verbose=False)
     assert summary["steps_this_run"] == 16 and json.loads((tmp_path / "auto" / "config.json").read_text())["compile"]
+
+
+def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, capsys):
+    """The median ms/step and the first interval's excess (what compile='auto' weighs) and the MFU of the last line."""
+    cfg = tiny_config(tmp_path, max_iters=9, log_interval=2, peak_tflops=1.0, **QUICK)
+    summary = train.train(cfg)
+    lines = re.findall(r"step +(\d+) \|.*\| ([\d.]+) ms/step \| ([\d,]+) tok/s", capsys.readouterr().out)
+    steps, ms, tok_s = zip(*[(int(s), float(m), float(t.replace(",", ""))) for s, m, t in lines], strict=True)
+    assert steps == (0, 2, 4, 6, 8) and summary["steps_this_run"] == 9
+    assert summary["ms_per_step_median"] == pytest.approx(np.median(ms), abs=0.05)
+    assert summary["first_log_excess_s"] == pytest.approx((ms[0] - summary["ms_per_step_median"]) / 1000, abs=1e-4)
+    flops = GPT(cfg.model_config(len(set(TEXT)))).flops_per_token(cfg.block_size)
+    assert summary["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3)
+    assert summary["tokens_per_second"] * summary["train_seconds"] == pytest.approx(9 * cfg.batch_size * cfg.block_size)
 
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
