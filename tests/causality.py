@@ -292,26 +292,26 @@ def perturbed_reach(model: GPT, x: Tensor, variants: Tensor) -> Tensor:
 def check_perturbation(model: GPT, x: Tensor, path: str = "forward", seed: int = 2) -> Check:
     """For every position j: a new token at j moves the logits exactly at the positions the rule lets reach j
     through the model's layers, and leaves every other logit bit-identical. On the forward path a leak also
-    names the first layer whose output shows it. (x and its T variants run as one batch: one pass per path.)"""
+    names the first layer whose output shows it. (The T variants of x run as one batch: two passes per path.)"""
     (B, T), V = x.shape, model.config.vocab_size
     outputs: list[Tensor] = []
     hooks = [b.register_forward_hook(lambda _m, _i, o: outputs.append(o)) for b in model.blocks if path == "forward"]
     variants = torch.stack([_change_at(x, j, V, seed + j) for j in range(T)])  # (T, B, T)
-    # rows: x, the variants, then copies of x up to whole tiles of 4 rows: a CPU BLAS may round the rows of a ragged
-    # last tile another way (AVX2 MKL does), and logits that must not move would differ in their last bits
-    batch = torch.cat([x[None], variants]).flatten(0, 1)
     try:
         with torch.no_grad():
-            logits = logits_by(model, torch.cat([batch, x[:1].expand(-len(batch) % 4, -1)]), path)
+            # x runs in the rows its variants run in, in a batch of the same size: a CPU BLAS may round a row by its
+            # place in its tiles (AVX2 MKL does), and x elsewhere would differ in the last bits where nothing moved
+            same = logits_by(model, x.repeat(T, 1), path)
+            logits = logits_by(model, variants.flatten(0, 1), path)  # variant j's row b at row j * B + b
     finally:
         for h in hooks:
             h.remove()
-    logits = logits[:len(batch)].view(T + 1, B, T, V)
-    change = (logits[1:] - logits[0]).abs().amax(dim=-1).permute(1, 2, 0).double().cpu()  # [b, i, j]
+    change = (logits - same).abs().amax(dim=-1).view(T, B, T).permute(1, 2, 0).double().cpu()  # [b, i, j]
     check = judge_rows(f"model: perturbation, {path}", change, perturbed_reach(model, x, variants), model_rule(model))
     if check.detail.startswith("LEAK") and hooks:
         b, i, j = ((change > 0) & torch.ones(T, T, dtype=torch.bool).triu(1)).nonzero()[0].tolist()
-        moved = [(o[(j + 1) * B + b, i] != o[b, i]).any().item() for o in outputs]  # variant j's row b, x's row b
+        refs, outs = outputs[:len(hooks)], outputs[len(hooks):]  # x's pass, then the variants'
+        moved = [(o[j * B + b, i] != ref[j * B + b, i]).any().item() for ref, o in zip(refs, outs, strict=True)]
         if any(moved):
             head, row, tail = check.detail.partition(" (row")
             check.detail = f"{head} in layer {moved.index(True)}{row}{tail}"
