@@ -263,8 +263,9 @@ def train_step(run: Run, step: int) -> tuple[Tensor, Tensor | None]:
             with run.autocast:
                 _, loss = run.fwd(x, y)
             scaler.scale(loss / micro_steps).backward()
-        bad = ~torch.isfinite(loss.detach()) & (run.first_bad == NO_STEP)  # the first non-finite loss: kept on the
-        run.first_bad = torch.where(bad, step, run.first_bad)  # device, no host read per step
+        # the first non-finite loss, kept on the device: no host read per step
+        bad = ~torch.isfinite(loss.detach()) & (run.first_bad == NO_STEP)
+        run.first_bad = torch.where(bad, step, run.first_bad)
         run.bad_loss = torch.where(bad, loss.detach().float(), run.bad_loss)
     grad_norm = None
     if cfg.grad_clip > 0:
@@ -356,6 +357,7 @@ def check_finite(run: Run) -> None:
 
 
 def not_finite(run: Run, what: str) -> FloatingPointError:
+    """The error that stops a run at a non-finite value: what happened, what is on disk, what to try."""
     return FloatingPointError(f"{what}: {run.guard.kept()}. Try a lower learning_rate or grad_clip > 0 (in float16: "
                               "dtype=bfloat16).")
 
