@@ -325,8 +325,7 @@ def log_progress(run: Run, step: int, loss: Tensor, lr: float, grad_norm: Tensor
             scalars["speed/mfu"] = out.flops_per_token * tok_s / out.peak  # 0..1
         if grad_norm is not None:
             scalars["optim/grad_norm"] = grad_norm.item()
-    for name, value in scalars.items() if out.writer is not None else ():
-        out.writer.add_scalar(name, value, step)
+    out.scalars(step, scalars)  # to TensorBoard
 
 
 @contextlib.contextmanager

@@ -64,6 +64,7 @@ class RunLog:
             print(text, flush=True)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        """Each value at step, under its name, to TensorBoard (if on)."""
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, step)
