@@ -2,7 +2,7 @@
 
 `train` reads top to bottom: set-up, then per step lr -> eval/checkpoint -> forward/backward/step -> checks -> log,
 then the exact val loss and the summary. `Run` holds what the steps share; each step's pieces are the functions below
-it, in this file: a step reads only it, data/corpus.py and model/.
+it, in this file, which takes its batch from data/corpus.py and its forward from model/.
 """
 
 import contextlib
