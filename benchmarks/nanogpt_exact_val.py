@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT(GPTConfig(vocab_size=margs["vocab_size"], block_size=margs["block_size"], n_layer=margs["n_layer"],
                           n_head=margs["n_head"], n_embd=margs["n_embd"], attn_backend="sdpa")).eval()
     model.load_state_dict(convert(ckpt["model"]))
-    val = exact_loss(model, corpus.val.astype(np.int64), margs["block_size"], 64, "cpu")
+    val = exact_loss(model, torch.from_numpy(corpus.val.astype(np.int64)), margs["block_size"], 64, "cpu")
     print(json.dumps({"ckpt": str(args.ckpt), "iter_num": ckpt.get("iter_num"),
                       "nanogpt_best_val_estimate": float(ckpt.get("best_val_loss", float("nan"))),
                       "exact_val_loss": val}))

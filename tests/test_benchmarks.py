@@ -2,7 +2,9 @@
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
 import ablate
 import bench
@@ -11,7 +13,10 @@ import nanogpt_exact_val
 import profile_step
 import summarize
 import vs_nanogpt
+from data import load_corpus
+from model import GPT, GPTConfig
 from tiny import cli_args, tiny_config
+from training import exact_loss
 
 
 @pytest.mark.parametrize("script", [ablate, bench, kv_cache, nanogpt_exact_val, profile_step, summarize, vs_nanogpt])
@@ -33,6 +38,18 @@ def test_bench_trains_a_config_and_reports_its_figures(tmp_path, capsys):
     assert figures["ms_per_step_median"] > 0 and figures["final_val_loss"] > 0
     assert figures["time_to_target"]["step"] == 0  # val 100 is reached at the first eval
     assert not (tmp_path / "out").exists()  # it trained in a temporary directory
+
+
+def test_nanogpt_exact_val_scores_a_nanogpt_checkpoint_as_our_exact_loss_scores_its_weights(tmp_path, capsys):
+    corpus, shape = load_corpus(tiny_config(tmp_path).dataset), dict(block_size=16, n_layer=2, n_head=2, n_embd=16)
+    model = GPT(GPTConfig(vocab_size=corpus.tokenizer.vocab_size, **shape)).eval()
+    theirs = {v: k for k, v in nanogpt_exact_val.TOP.items()} | {
+        f"blocks.{i}.{v}": f"transformer.h.{i}.{k}" for i in range(2) for k, v in nanogpt_exact_val.BLOCK.items()}
+    torch.save({"model": {theirs[k]: v for k, v in model.state_dict().items()}, "model_args": {
+        "vocab_size": corpus.tokenizer.vocab_size, "bias": False, **shape}}, tmp_path / "ckpt.pt")
+    assert nanogpt_exact_val.main([str(tmp_path / "ckpt.pt"), f"--dataset={tmp_path / 'corpus.txt'}"]) == 0
+    ours = exact_loss(model, torch.from_numpy(corpus.val.astype(np.int64)), 16, 64, "cpu")
+    assert json.loads(capsys.readouterr().out)["exact_val_loss"] == pytest.approx(ours, abs=1e-5)
 
 
 def test_profile_step_splits_a_step_into_kinds_of_operator(tmp_path, capsys):
