@@ -1,11 +1,10 @@
 """An independent float64 reference of the documented GPT: a plain function over a state dict.
 
-Written from the seeds' formulas and the README, sharing no code with model/: token (+ learned
-position) embeddings; per block x + attn(LN(x)), then x + MLP(LN(x)); a final LN and the LM head tied
-to the token embedding. Attention: qkv rows are [q | k | v], each C wide, head h owns channels
-h*D .. (h+1)*D of each; optional RMS normalisation of q and k per head (no gain); optional rotary
-positions, pair (2i, 2i+1) rotated by p * 10000^(-2i/D); scores q.k / sqrt(D), -inf where the declared
-rule forbids, softmax over keys, weights @ v, heads merged in order, then the output projection. MLP:
+Written from the seeds' formulas and the README, sharing no code with model/: token (+ learned position) embeddings; per
+block x + attn(LN(x)), then x + MLP(LN(x)); a final LN and the LM head tied to the token embedding. Attention: qkv rows
+are [q | k | v], each C wide, head h owns channels h*D .. (h+1)*D of each; optional RMS normalisation of q and k per
+head (no gain); optional rotary positions, pair (2i, 2i+1) rotated by p * 10000^(-2i/D); scores q.k / sqrt(D), -inf
+where the declared rule forbids, softmax over keys, weights @ v, heads merged in order, then the output projection. MLP:
 C -> 4C, exact GELU (erf), -> C. LayerNorm: biased variance, eps 1e-5.
 
 The declared visibility rule lives here too, cell by cell: the suite holds every path of the model to it.
@@ -46,8 +45,7 @@ def rule_grid(Tq: int, Tk: int, window: int = 0, docs: list[int] | None = None) 
 def reach(grid: Tensor, n_layer: int) -> Tensor:
     """(T, T) bool: which tokens each position's output can depend on through n_layer attention layers of grid
     (T, T) (the residual stream carries its own token)."""
-    step = (grid | torch.eye(len(grid), dtype=torch.bool)).double()
-    out = torch.eye(len(grid), dtype=torch.float64)
+    step, out = (grid | torch.eye(len(grid), dtype=torch.bool)).double(), torch.eye(len(grid), dtype=torch.float64)
     for _ in range(n_layer):
         out = (step @ out > 0).double()
     return out.bool()

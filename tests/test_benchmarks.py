@@ -29,8 +29,7 @@ def test_every_benchmark_script_explains_itself(script, capsys):
 
 
 def test_bench_trains_a_config_and_reports_its_figures(tmp_path, capsys):
-    cfg = tiny_config(tmp_path)
-    out = tmp_path / "bench.json"
+    cfg, out = tiny_config(tmp_path), tmp_path / "bench.json"
     assert bench.main([f"--dataset={cfg.dataset}", "--device=cpu", "--n_layer=1", "--n_embd=16", "--n_head=2",
                        "--block_size=16", "--batch_size=4", "--max_iters=4", "--eval_interval=2", "--eval_iters=1",
                        "--target_val=100", f"--json={out}"]) == 0
@@ -70,8 +69,7 @@ def test_summarize_turns_ablation_rows_into_a_table(tmp_path, capsys):
     rows = [dict(name=v, seed=s, final_val_loss=1.9 + 0.1 * i + 0.01 * s, steps=100, ms_per_step_timing_run=10.0,
                  train_seconds=1.0, wall_seconds=2.0, tokens_per_second=1000.0)
             for i, v in enumerate(["base", "rope"]) for s in (1, 2)]
-    path = tmp_path / "a.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path := tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert summarize.main([str(path)]) == 0
     table = capsys.readouterr().out
     assert "| rope |" in table and "+0.1000" in table

@@ -1,8 +1,7 @@
-"""No query reads a later key, and every path reads exactly what the declared rule allows (tests/reference.py):
-the mask, attention alone, and the model's perturbation, gradient, prefix, cache and dropout checks, for every
-combination of the model's options, with and without a window and documents. Every check lives in
-tests/causality.py, with its positive control; a failure says LEAK with the (query, key) pair and layer, or
-how the mask differs from the rule.
+"""No query reads a later key, and every path reads exactly what the declared rule allows (tests/reference.py): the
+mask, attention alone, and the model's perturbation, gradient, prefix, cache and dropout checks, for every combination
+of the model's options, with and without a window and documents. Every check lives in tests/causality.py, with its
+positive control; a failure says LEAK with the (query, key) pair and layer, or how the mask differs from the rule.
 
 On a trained model:  python -m pytest tests/test_causality.py -k checkpoint --ckpt out/RUN/ckpt.pt -s
 """
@@ -70,8 +69,7 @@ def test_the_checks_pass_on_checkpoint_weights(request, tmp_path):
     if path is None:
         from training import save_checkpoint
 
-        model = C.leak_test_model("manual").float()
-        path = tmp_path / "ckpt.pt"
+        model, path = C.leak_test_model("manual").float(), tmp_path / "ckpt.pt"
         save_checkpoint(path, {"model": model.state_dict(), "model_config": model.config.to_dict(), "config": {},
                                "vocab": {"chars": [chr(97 + i) for i in range(13)]}, "step": 0})
     checks = C.checkpoint_checks(str(path))

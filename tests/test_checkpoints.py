@@ -65,8 +65,7 @@ def test_a_run_stopped_at_step_k_and_resumed_ends_bit_identical_to_an_uninterrup
     assert [s for s, _, _ in curves[0]] == [0, K, N]
     assert curves[0] == curves[1] == curves[2]
     assert whole["final_val_loss"] == resumed["final_val_loss"]
-    out = tmp_path / "split"
-    shutil.copytree(folder / "stopped", out)
+    out = shutil.copytree(folder / "stopped", tmp_path / "split")
     ckpt = load_checkpoint(out / CKPT_NAME)
     ckpt["rng"]["torch"] = torch.Generator().manual_seed(0).get_state()
     save_checkpoint(out / CKPT_NAME, ckpt)
@@ -78,8 +77,7 @@ def test_a_run_stopped_at_step_k_and_resumed_ends_bit_identical_to_an_uninterrup
 def test_a_resumed_run_keeps_the_dtype_auto_chose_at_its_start(tmp_path, monkeypatch):
     """bfloat16 at the start, float32 by the probe at the resume: the run stays bfloat16 (float32 forced does not)."""
     monkeypatch.setattr("training.runtime.bf16_pays", lambda *a, **k: (True, "bf16 pays"))
-    whole = train.train(config(tmp_path, "whole"), verbose=False)
-    split = config(tmp_path, "split")
+    whole, split = train.train(config(tmp_path, "whole"), verbose=False), config(tmp_path, "split")
     train.train(split.replace(max_iters=K), verbose=False)
     shutil.copytree(tmp_path / "split", tmp_path / "forced")
     monkeypatch.setattr("training.runtime.bf16_pays", lambda *a, **k: (False, "bf16 does not pay"))
@@ -218,7 +216,6 @@ def test_a_failed_save_leaves_the_old_file_byte_identical_and_no_temp_file(tmp_p
         if target == "torch.save":
             args[1].write(b"x" * 4096)  # some bytes reached the temporary file first
         raise KeyboardInterrupt() if fault == "ctrl_c" else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
     monkeypatch.setattr(target, fail)
     with pytest.raises(KeyboardInterrupt if fault == "ctrl_c" else OSError) as caught:
         save_checkpoint(path, {"step": 2})

@@ -263,8 +263,7 @@ def test_train_py_puts_mkl_in_its_strict_reproducible_mode_before_its_first_matm
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | {"MKL_VERBOSE": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv_for(cfg)], env=env, capture_output=True,
                          text=True, timeout=120).stdout
-    modes = set(re.findall(r"CNR:(\S+)", out))
-    assert modes == {"AUTO,STRICT"}, modes
+    assert (modes := set(re.findall(r"CNR:(\S+)", out))) == {"AUTO,STRICT"}, modes
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda p: p.name)

@@ -63,11 +63,10 @@ def test_the_tokenizer_round_trips_sorts_its_vocabulary_names_unknown_characters
     assert ids.dtype == np.uint16 and ids.tolist() == tok.encode(text)
     assert tok.encode_array("").shape == (0,) and tok.encode("") == []
     assert CharTokenizer.from_dict(tok.to_dict()) == tok and CharTokenizer("ab") != CharTokenizer("ba")
-    tok = CharTokenizer("abc")
     with pytest.raises(ValueError, match=r"not in the vocabulary: 'x', 'z'$"):
-        tok.encode("abzx")
+        CharTokenizer("abc").encode("abzx")
     with pytest.raises(ValueError, match=r"'q'"):
-        tok.encode_array("aq")
+        CharTokenizer("abc").encode_array("aq")
 
 
 @pytest.mark.parametrize("chars", [[], ["a", "b", "a"], ["a", ""], ["ab"]], ids=["empty", "dup", "blank", "pair"])
@@ -166,7 +165,6 @@ def hf(tmp_path, monkeypatch):
 
     def refuse(self, address):
         raise OSError(f"test tried to connect to {address}")
-
     monkeypatch.setattr(socket.socket, "connect", refuse)
     return datasets
 
@@ -256,7 +254,6 @@ def test_documents_are_lines_or_paragraphs_each_opened_by_the_separator_which_pr
         load_text(str(path), documents="lines")
     path.write_text("ann\nbo\ncyd\n", encoding="utf-8")
     corpus = load_corpus(str(path), documents="lines")
-    tok = corpus.tokenizer
     x, y = data.inputs_and_targets(torch.from_numpy(np.concatenate([corpus.train, corpus.val]).astype(np.int64))[None])
-    pairs = list(zip(tok.decode(x[0]), tok.decode(y[0]), strict=True))
+    pairs = list(zip(corpus.tokenizer.decode(x[0]), corpus.tokenizer.decode(y[0]), strict=True))
     assert [(a, b) for a, b in pairs if SEP in (a, b)] == [(SEP, "a"), ("n", SEP), (SEP, "b"), ("o", SEP), (SEP, "c")]

@@ -277,8 +277,7 @@ def test_a_fault_stops_the_run_with_one_error_line_and_the_last_checkpoint_byte_
     cfg, path = run_dir[0], run_dir[1] / CKPT_NAME  # a copy of conftest.py's finished run
     good = path.read_bytes()
     monkeypatch.setattr(torch, "save", disk_fills) if fault is disk_fills else instrument(monkeypatch, fault)
-    rc = train.main(cli_args(cfg.replace(**fields)))
-    err = capsys.readouterr().err
+    rc, err = train.main(cli_args(cfg.replace(**fields))), capsys.readouterr().err
     assert rc == 1, err
     (line,) = [line for line in err.splitlines() if line.strip()]  # one line, no traceback
     assert line.startswith("error: ") and all(s.format(path=path) in line for s in says), line

@@ -21,18 +21,6 @@ OPTIONS = [dict(zip(VALUES, v, strict=True)) for v in itertools.product(*VALUES.
 tiny = lambda **kw: GPTConfig(**{**dict(vocab_size=11, block_size=12, n_layer=2, n_head=2, n_embd=16), **kw})
 
 
-def model_outputs(model, idx: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The model's sub-layer outputs under reference_forward's names, read by hooks (left on the model)."""
-    out: dict[str, torch.Tensor] = {}
-    model.blocks[0].register_forward_pre_hook(lambda _m, args: out.__setitem__("embedding", args[0]))
-    for i, block in enumerate(model.blocks):
-        block.attn.register_forward_hook(lambda _m, _a, o, key=f"layer {i} attention": out.__setitem__(key, o))
-        block.mlp.register_forward_hook(lambda _m, _a, o, key=f"layer {i} MLP": out.__setitem__(key, o))
-    with torch.no_grad():
-        out["logits"] = model(idx)[0]
-    return out
-
-
 def first_difference(got: dict, want: dict, tol: float) -> tuple[str, float] | None:
     """The first sub-layer, in forward order, off the reference by more than tol (relative to its largest entry)."""
     errors = {name: ((got[name] - ref).abs().max() / ref.abs().max()).item() for name, ref in want.items()}
@@ -43,8 +31,14 @@ def first_difference(got: dict, want: dict, tol: float) -> tuple[str, float] | N
 def test_every_sub_layer_computes_the_documented_function(options):
     """Unlike relational checks (causality, cache parity), many wrong functions fail this; control: qk_norm flipped."""
     model = C.leak_test_model(**options)
-    x = C.random_tokens(3, model.config.block_size, model.config.vocab_size)
-    got, cfg = model_outputs(model, x), model.config.to_dict()
+    x, cfg = C.random_tokens(3, model.config.block_size, model.config.vocab_size), model.config.to_dict()
+    got: dict[str, torch.Tensor] = {}  # the sub-layer outputs under reference_forward's names, read by hooks
+    model.blocks[0].register_forward_pre_hook(lambda _m, args: got.__setitem__("embedding", args[0]))
+    for i, block in enumerate(model.blocks):
+        block.attn.register_forward_hook(lambda _m, _a, o, key=f"layer {i} attention": got.__setitem__(key, o))
+        block.mlp.register_forward_hook(lambda _m, _a, o, key=f"layer {i} MLP": got.__setitem__(key, o))
+    with torch.no_grad():
+        got["logits"] = model(x)[0]
     diff = first_difference(got, reference_forward(model.state_dict(), cfg, x), 1e-12)
     assert diff is None, f"{diff[0]} differs from the documented computation by {diff[1]:.3g} (relative)"
     flipped = reference_forward(model.state_dict(), {**cfg, "qk_norm": not cfg["qk_norm"]}, x)

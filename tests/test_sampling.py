@@ -68,7 +68,6 @@ def test_the_table_tells_the_orders_of_the_steps_apart():
         in_k = set(sorted(range(len(row)), key=lambda i: -row[i])[:top_k or len(row)])
         keep = [i for i, x in enumerate(reference_distribution(row, temperature, None, top_p)) if x > 0 and i in in_k]
         return renormalised(reference_distribution(row, temperature, None, None), keep)
-
     cells = list(itertools.product(ROWS.tolist(), [0.5, 2.0], [2, 4], [0.3, 0.6, 0.9]))
     for wrong in (untempered_nucleus, nucleus_of_everything):
         assert any(max(abs(a - b) for a, b in zip(wrong(*c), reference_distribution(*c), strict=True)) > 1e-6

@@ -117,10 +117,9 @@ def scheduled_lr(step: int, cfg: TrainConfig) -> float:
 
 
 @pytest.mark.parametrize("fields", [dict(warmup_iters=4, lr_decay_iters=4), dict(warmup_iters=0, lr_decay_iters=6),
-    dict(warmup_iters=2, lr_decay_iters=5),
-    *(dict(warmup_iters=2, lr_decay_iters=8, lr_schedule="wsd", cooldown_frac=frac) for frac in (1.0, 0.0)),
-    dict(warmup_iters=2, lr_decay_iters=8, optimizer="muon", muon_lr=0.05)],
-    ids=["warmup-ends-at-decay", "no-warmup", "flat-tail", "wsd-all-cooldown", "wsd-no-cooldown", "muon"])
+    dict(warmup_iters=2, lr_decay_iters=5), dict(warmup_iters=2, lr_decay_iters=8, optimizer="muon", muon_lr=0.05),
+    *(dict(warmup_iters=2, lr_decay_iters=8, lr_schedule="wsd", cooldown_frac=frac) for frac in (1.0, 0.0))],
+    ids=["warmup-ends-at-decay", "no-warmup", "flat-tail", "muon", "wsd-all-cooldown", "wsd-no-cooldown"])
 def test_the_loop_applies_the_documented_learning_rate_at_every_step(tmp_path, monkeypatch, fields):
     """The lr every group holds when the optimizers step (not lr_at's): the schedule, from each group's own peak."""
     steps = recorded_steps(monkeypatch)
@@ -232,10 +231,9 @@ def test_the_shipped_configs_train_the_from_scratch_attention_and_keep_nanogpts_
         assert "attn_backend" not in tomllib.loads(path.read_text())  # the field's default, said once
     gpu, cpu = (parse_args([str(ROOT / "configs" / f"{n}.toml")]) for n in ("shakespeare_char", "shakespeare_char_cpu"))
     assert (gpu.n_layer, gpu.n_head, gpu.n_embd, gpu.block_size, gpu.batch_size) == (6, 6, 384, 256, 64)
-    assert gpu.dropout == 0.2
     assert (gpu.learning_rate, gpu.min_lr, gpu.warmup_iters, gpu.max_iters, gpu.beta2) == (1e-3, 1e-4, 100, 5000, 0.99)
     assert (cpu.n_layer, cpu.n_head, cpu.n_embd, cpu.block_size, cpu.batch_size) == (4, 4, 128, 64, 12)
-    assert (cpu.max_iters, cpu.lr_decay_iters, cpu.dropout, cpu.eval_iters) == (2000, 2000, 0.0, 20)
+    assert (cpu.max_iters, cpu.lr_decay_iters, cpu.eval_iters, cpu.dropout, gpu.dropout) == (2000, 2000, 20, 0.0, 0.2)
 
 
 # --- evaluation --------------------------------------------------------------------------------------
@@ -312,10 +310,9 @@ def test_muon_steps_by_orthogonalised_nesterov_momentum_scaled_up_for_tall_matri
 
 # --- devices: the dtype rule, and what a GPU step must not do -----------------------------------------
 
-@pytest.mark.parametrize("speedup, matmul, expected", [
-    (3.0, (12 * 64, 128), torch.bfloat16), (3.0, (2 ** 10, 2 ** 6 - 1), torch.float32),
-    (1.4, (12 * 64, 128), torch.float32), (0.09, (12 * 64, 128), torch.float32)],
-    ids=["amx-laptop-recipe", "too-small", "too-little-gain", "avx2-only"])
+@pytest.mark.parametrize("speedup, matmul, expected", [(3.0, (12 * 64, 128), torch.bfloat16),
+    (3.0, (2 ** 10, 2 ** 6 - 1), torch.float32), (1.4, (12 * 64, 128), torch.float32),
+    (0.09, (12 * 64, 128), torch.float32)], ids=["amx-laptop-recipe", "too-small", "too-little-gain", "avx2-only"])
 def test_auto_dtype_on_a_cpu_is_bfloat16_only_where_its_matmuls_are_fast_and_large(monkeypatch, tmp_path, speedup,
                                                                                     matmul, expected):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -339,9 +336,8 @@ def test_the_bf16_probe_is_measured_once_per_machine_and_shape_and_then_remember
     assert runtime.resolve_dtype("auto", cpu, (1536, 128))[0] == torch.float32 and measured == [768, 1536]  # new shape
 
 
-@pytest.mark.parametrize("kept, steps, want", [
-    (None, 2000, False), (RUNS, 2000, True), (RUNS, 300, False), ({**RUNS, "compile_s": 55.0}, 2000, False),
-    ({"eager": 40.0, "compiled": 41.0, "compile_s": 1.0}, 10 ** 6, False)],
+@pytest.mark.parametrize("kept, steps, want", [(None, 2000, False), (RUNS, 2000, True), (RUNS, 300, False),
+    ({**RUNS, "compile_s": 55.0}, 2000, False), ({"eager": 40.0, "compiled": 41.0, "compile_s": 1.0}, 10 ** 6, False)],
     ids=["never-measured", "pays", "too-short-for-its-compile", "cold-compile-too-dear", "no-gain"])
 def test_auto_compile_on_a_cpu_follows_this_machines_own_measured_runs_of_the_shape(monkeypatch, tmp_path, kept, steps,
                                                                                    want):

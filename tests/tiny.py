@@ -37,7 +37,6 @@ def ctrl_c_in_batch(batch: int, cfg: TrainConfig, before=lambda: None, **kwargs)
             before()
             signal.raise_signal(signal.SIGINT)
         return get_batch(*args, **kw)
-
     previous = signal.signal(signal.SIGINT, lambda *_: None)  # unarmed guard: the run fails, not the session
     try:
         with pytest.MonkeyPatch.context() as mp:
