@@ -218,8 +218,8 @@ def evaluate(run: Run, step: int) -> int | None:
     group = 1 if cfg.compile == "true" else max(1, EVAL_TOKENS_PER_FORWARD // (cfg.batch_size * cfg.block_size))
     with paused(run):
         try:
-            losses = estimate_loss(run.fwd, run.splits, cfg, device, run.autocast, group, run.guard.stopping,
-                                   run.log.enabled)
+            losses = estimate_loss(run.fwd, run.splits, cfg, device, autocast=run.autocast, batches_per_forward=group,
+                                   stop=run.guard.stopping, show=run.log.enabled)
         except Stopped:  # the estimate is dropped
             return run.guard.signum
         if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
@@ -368,8 +368,8 @@ def finish(run: Run, done: int, stop: int | None) -> dict:
         try:
             with paused(run):
                 windows = max(cfg.batch_size, EVAL_TOKENS_PER_FORWARD // cfg.block_size)
-                final_val = exact_loss(run.model, run.splits["val"], cfg.block_size, windows, device, run.autocast,
-                                       run.guard.stopping, log.enabled)
+                final_val = exact_loss(run.model, run.splits["val"], cfg.block_size, windows, device,
+                                       autocast=run.autocast, stop=run.guard.stopping, show=log.enabled)
             log.line(f"exact val loss over all {len(run.splits['val']) - 1:,} val targets: {final_val:.4f} "
                      f"({bpc(final_val):.3f} bpc)")
         except Stopped:

@@ -47,9 +47,11 @@ def test_losses_under_autocast_match_float64(device, dtype):
         amp = torch.autocast(device, dtype=dtype, enabled=half)
         with torch.no_grad(), amp:
             (_, loss), (logits, _) = model.to(torch.float32 if half else torch.float64)(X[:8], Y[:8]), model(X)
-        found[half] = {"training loss": loss.item(), "exact val loss": exact_loss(model, data, T, N, device, amp),
+        exact = exact_loss(model, data, T, N, device, autocast=amp)
+        estimates = estimate_loss(model, splits, spec, device, autocast=amp)
+        found[half] = {"training loss": loss.item(), "exact val loss": exact,
                        "loss of all N windows": F.cross_entropy(logits.float().reshape(-1, V), Y.reshape(-1)).item(),
-                       **{f"{k} estimate": v for k, v in estimate_loss(model, splits, spec, device, amp).items()}}
+                       **{f"{k} estimate": v for k, v in estimates.items()}}
     assert loss.dtype == torch.float32, "the loss must come out of autocast in float32"
     for name, want in found[False].items():
         got = found[True][name]
