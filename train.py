@@ -59,6 +59,7 @@ class Run:
     micro_steps: int  # this rank's micro-batches per optimizer step
     autocast: Any
     start: int  # the step it starts (or resumes) at
+    saved: int | None  # the step ckpt.pt holds (None: none yet)
     facts: dict
     t_start: float
     best_val: float
@@ -156,10 +157,11 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits, micro_steps, autocast,
-              start, facts, t_start, best_val, history, first_bad=torch.tensor(NO_STEP, device=device),
-              bad_loss=torch.zeros((), device=device))
+              start, start if ckpt else None, facts, t_start, best_val, history,
+              first_bad=torch.tensor(NO_STEP, device=device), bad_loss=torch.zeros((), device=device))
     if device.type != "cuda" and log.enabled:
         announce_duration(run, argv)
+    run.mark = time.perf_counter()  # the training clock starts here, after the estimate's timing
     return run
 
 
@@ -346,6 +348,7 @@ def save(run: Run, steps: int, **extra: str) -> None:
     state = checkpoint.training_state(run.model, run.optimizers, run.cfg, run.tok, steps, run.best_val, run.batch_gen,
                                       run.history)
     checkpoint.save_checkpoint(run.guard.ckpt_path, {**state, **extra})
+    run.saved = steps
 
 
 def check_finite(run: Run) -> None:
@@ -364,16 +367,16 @@ def not_finite(run: Run, what: str) -> FloatingPointError:
 def finish(run: Run, done: int, stop: int | None) -> dict:
     """The exact val loss (unless stopped), the save of a stopped run, the summary and its lines."""
     cfg, log, device, final_val = run.cfg, run.log, run.dist.device, None
-    if cfg.exact_val and stop is None and run.dist.is_main:
-        try:
-            with paused(run):
+    with paused(run):  # the clock stops: a stopped run's steps since its last eval count too
+        if cfg.exact_val and stop is None and run.dist.is_main:
+            try:
                 windows = max(cfg.batch_size, EVAL_TOKENS_PER_FORWARD // cfg.block_size)
                 final_val = exact_loss(run.model, run.splits["val"], cfg.block_size, windows, device,
                                        autocast=run.autocast, stop=run.guard.stopping, show=log.enabled)
-            log.line(f"exact val loss over all {len(run.splits['val']) - 1:,} val targets: {final_val:.4f} "
-                     f"({bpc(final_val):.3f} bpc)")
-        except Stopped:
-            stop = run.guard.signum
+                log.line(f"exact val loss over all {len(run.splits['val']) - 1:,} val targets: {final_val:.4f} "
+                         f"({bpc(final_val):.3f} bpc)")
+            except Stopped:
+                stop = run.guard.signum
     run.guard.disarm()  # from here a Ctrl-C exits at once
     interrupted = None if stop is None else signal_name(stop)
     if interrupted and run.dist.is_main:
@@ -382,7 +385,7 @@ def finish(run: Run, done: int, stop: int | None) -> dict:
                  "the same command with --resume to continue")
     summary = log.summary(run.facts, run.history, run.marks, run.steps, run.train_seconds, best_val_loss=run.best_val,
                           final_val_loss=final_val, steps=done, wall_seconds=time.perf_counter() - run.t_start,
-                          interrupted=interrupted)
+                          interrupted=interrupted, checkpoint_step=run.saved)
     log.finish(summary, done, interrupted)
     if device.type == "cpu" and run.dist.is_main:
         record_speed(cfg, summary)

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import sys
+import time
 import tomllib
 
 import numpy as np
@@ -19,7 +20,7 @@ import training.runtime as runtime
 from data import load_corpus
 from model import GPT, GPTConfig
 from mutants import REAL, batcher, rule_leaks_one_step, substitute
-from tiny import CPU_CONFIGS, ROOT, TEXT, tiny_config
+from tiny import CPU_CONFIGS, ROOT, TEXT, ctrl_c_in_batch, tiny_config
 from training import TrainConfig, configure_optimizers, estimate_loss, exact_loss, parse_args
 from training.evaluate import evaluating
 from training.optim import Muon, orthogonalize
@@ -378,12 +379,19 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     summary = train.train(cfg)
     lines = re.findall(r"step +(\d+) \|.*\| ([\d.]+) ms/step \| ([\d,]+) tok/s", capsys.readouterr().out)
     steps, ms, tok_s = zip(*[(int(s), float(m), float(t.replace(",", ""))) for s, m, t in lines], strict=True)
-    assert steps == (0, 2, 4, 6, 8) and summary["steps_this_run"] == 9
+    assert steps == (0, 2, 4, 6, 8) and summary["steps_this_run"] == 9 == summary["checkpoint_step"]
     assert summary["ms_per_step_median"] == pytest.approx(np.median(ms), abs=0.05)
     assert summary["first_log_excess_s"] == pytest.approx((ms[0] - summary["ms_per_step_median"]) / 1000, abs=1e-4)
     flops = GPT(cfg.model_config(len(set(TEXT)))).flops_per_token(cfg.block_size)
     assert summary["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3)
     assert summary["tokens_per_second"] * summary["train_seconds"] == pytest.approx(9 * cfg.batch_size * cfg.block_size)
+
+
+def test_the_training_clock_counts_a_stopped_runs_last_steps_but_not_the_duration_estimate(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "estimated_seconds", lambda run: time.sleep(2) or (1.0, 0.1))
+    monkeypatch.setattr(train, "get_batch", lambda *a, real=train.get_batch, **k: time.sleep(0.05) or real(*a, **k))
+    summary = ctrl_c_in_batch(9, tiny_config(tmp_path, max_iters=50, **QUICK))  # 9 steps, no eval after step 0's
+    assert summary["steps"] == 9 and 0.4 < summary["train_seconds"] < 2, summary["train_seconds"]
 
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")

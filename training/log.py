@@ -90,8 +90,11 @@ class RunLog:
             if s["final_val_loss"] is not None else []
         losses += [f"best val estimate {s['best_val_loss']:.4f}"] if math.isfinite(s["best_val_loss"]) else []
         self.line(" | ".join([head + speed, *losses]))
-        self.line(f"checkpoint: {ckpt}; sample it: python sample.py --out_dir={self.cfg.out_dir}" if ckpt.exists()
-                  else "no checkpoint was saved")
+        saved = s["checkpoint_step"]
+        older = f" (step {saved}, where the val estimate was best; the last step's weights were not saved: " \
+            "--always_save_checkpoint keeps them)" if saved is not None and saved != s["steps"] else ""
+        self.line(f"checkpoint: {ckpt}{older}; sample it: python sample.py --out_dir={self.cfg.out_dir}"
+                  if ckpt.exists() else "no checkpoint was saved")
         if self.enabled:
             write_json(Path(self.cfg.out_dir) / "summary.json", summary)
         if self.writer is not None:
