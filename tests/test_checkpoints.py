@@ -172,6 +172,9 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
     "past_max_iters": (lambda cfg, out: cfg.replace(max_iters=3), ["is at step 4, past max_iters=3"]),
     "finished": (lambda cfg, out: cfg.replace(max_iters=4), ["is at step 4 = max_iters: the run is finished",
                                                             "summary.json", "--max_iters > 4"]),
+    "finished_after_its_best": (lambda cfg, out: torch.save({**load_checkpoint(out / CKPT_NAME), "step": 2}, out /
+        CKPT_NAME) or cfg.replace(max_iters=4), ["at step 2 (the best val estimate's), and the run ended at step 4"]),
+    "optimizer": (lambda cfg, out: cfg.replace(optimizer="muon"), ["optimizer: checkpoint 'adamw' vs config 'muon'"]),
     "truncated": (lambda cfg, out: (out / CKPT_NAME).write_bytes((out / CKPT_NAME).read_bytes()[:20000]) and cfg,
                   ["is not a checkpoint: not a complete PyTorch archive"]),
     "flipped_byte": (lambda cfg, out: flip_a_weight_byte(out / CKPT_NAME) or cfg, ["fails its CRC-32 check"]),

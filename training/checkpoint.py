@@ -158,12 +158,29 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
     if theirs != tok:
         raise ValueError("cannot resume: the checkpoint has another vocabulary (differing: "
                          f"{sorted(set(theirs.chars) ^ set(tok.chars))[:10]}). Use its dataset, or drop --resume")
-    step, summary = ckpt["step"], path.parent / "summary.json"
-    finished = step == cfg.max_iters and not ckpt.get("interrupted") and summary.exists()
-    if step > cfg.max_iters or finished:
-        why = f" = max_iters: the run is finished (see {summary})" if finished else f", past max_iters={cfg.max_iters}"
-        raise ValueError(f"--resume: {path} is at step {step}{why}; give --max_iters > {step}")
+    optimizer = ckpt["config"].get("optimizer", "adamw")
+    if optimizer != cfg.optimizer:  # its state would not fit
+        raise ValueError(f"cannot resume: optimizer: checkpoint {optimizer!r} vs config {cfg.optimizer!r}. Give "
+                         f"--optimizer={optimizer}, or drop --resume")
+    step, ended = ckpt["step"], finished_at(path.parent / "summary.json", ckpt)
+    if step > cfg.max_iters:
+        raise ValueError(f"--resume: {path} is at step {step}, past max_iters={cfg.max_iters}; give --max_iters > "
+                         f"{step}")
+    if ended is not None and ended >= cfg.max_iters:  # the checkpoint may hold an earlier step: the best val's
+        at = "= max_iters" if step == ended else f"(the best val estimate's), and the run ended at step {ended}"
+        raise ValueError(f"--resume: {path} is at step {step} {at}: the run is finished (see "
+                         f"{path.parent / 'summary.json'}); give --max_iters > {ended}")
     return ckpt
+
+
+def finished_at(summary: Path, ckpt: dict[str, Any]) -> int | None:
+    """The step a run ended at, if summary (its summary.json) says it finished after ckpt was saved; else None."""
+    try:
+        facts = json.loads(summary.read_text())
+        ended = None if facts["interrupted"] or ckpt.get("interrupted") else int(facts["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ended if ended is not None and ended >= ckpt["step"] else None
 
 
 def restore(ckpt: dict[str, Any] | None, optimizers: list[torch.optim.Optimizer], batch_gen: torch.Generator,
