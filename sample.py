@@ -36,7 +36,7 @@ class SampleConfig:
     prompt_file: str | None = opt(None, "UTF-8 file holding the prompt")
     max_new_tokens: int = opt(500, "characters per sample")
     temperature: float = opt(0.8, "0 = greedy; < 1 sharper, > 1 more random")
-    top_k: int = opt(200, "keep the k likeliest tokens (0 = all)")
+    top_k: int = opt(200, "keep the k likeliest tokens (0 = all)", rule=">= 0")
     top_p: float = opt(1.0, "nucleus sampling mass (1 = off)")
     num_samples: int = opt(1, "samples, one generator for all", rule=">= 1")
     seed: int = opt(1337, "same seed, same text", rule="in [0, 2**62]")

@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from data import DOCUMENTS
+from data import DOCUMENTS, decode_utf8
 from model import GPTConfig
 from model.gpt import ATTN_BACKENDS, POS_EMBS
 
@@ -57,7 +57,7 @@ def check_fields(options: Any) -> None:
         if kind is float and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
         if choices and value not in choices:
-            raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+            raise ValueError(f"{name}={value!r} is not one of {', '.join(c or repr(c) for c in choices)}")
         if f.metadata["rule"] and not RANGES[f.metadata["rule"]](value):
             raise ValueError(f"{name} must be {f.metadata['rule']}, got {value!r}")
 
@@ -162,7 +162,7 @@ def check_key(key: str, kind: type, where: str = "") -> None:
 def load_toml(path: str | Path) -> dict[str, Any]:
     """A TOML config file as a dict; an unknown key is an error."""
     try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        data = tomllib.loads(decode_utf8(Path(path).read_bytes(), str(path)))
     except OSError as e:
         raise ValueError(f"config file {path}: cannot read it ({e.strerror}); give a .toml file") from None
     except tomllib.TOMLDecodeError as e:
