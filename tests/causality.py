@@ -404,8 +404,7 @@ def check_chunked_prefill(model: GPT, x: Tensor) -> Check:
 
 def check_rolling_cache(model: GPT, x: Tensor) -> Check:
     """With a window W the cache keeps exactly the last W positions: the keys it returns next are those."""
-    W = model.config.attn_window
-    cache = model.new_cache(x.size(0))
+    W, cache = model.config.attn_window, model.new_cache(x.size(0))
     with torch.no_grad():
         for t in range(x.size(1)):
             model(x[:, t:t + 1], cache=cache)
@@ -575,8 +574,7 @@ def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
     """The model-level checks on a trained checkpoint's real weights (float64, eval mode, both backends)."""
     from training import load_checkpoint, model_from_checkpoint
 
-    ckpt = load_checkpoint(path)
-    checks = []
+    ckpt, checks = load_checkpoint(path), []
     for backend in ("manual", "sdpa"):
         m = model_from_checkpoint(ckpt, "cpu", attn_backend=backend, dropout=0.0)[0].double().eval()
         length = T or min(16, m.config.block_size) + (m.config.block_size if m.endless else 0)

@@ -93,8 +93,7 @@ def reference_forward(sd: dict[str, Tensor], cfg: dict, idx: Tensor) -> dict[str
     """The documented GPT (sd: a GPT state dict, cast to float64 here; cfg: its GPTConfig as a dict) on idx (B, T),
     every sub-layer's output in forward order: "embedding" (B, T, C); per layer l "layer l attention" and "layer l
     MLP", the (B, T, C) outputs of the two sub-layers before they join the residual; "logits" (B, T, V)."""
-    sd = {k: v.detach().double().cpu() for k, v in sd.items()}
-    T = idx.size(1)
+    sd, T = {k: v.detach().double().cpu() for k, v in sd.items()}, idx.size(1)
     x = sd["tok_emb.weight"][idx.cpu()]
     if cfg["pos_emb"] == "learned":
         x = x + sd["pos_emb.weight"][:T]
