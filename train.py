@@ -403,6 +403,16 @@ def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
     return [str(CONFIGS / name), *argv], f"no config given: training configs/{name}, {why} (pass a config to choose)"
 
 
+def out_of_memory(e: BaseException) -> str | None:
+    """For an allocation that failed (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError): the way out."""
+    text = str(e)
+    if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text):
+        return None
+    at = text.lower().find("tried to allocate")  # both say what: "... tried to allocate N bytes. ..."
+    return (f"out of memory ({text[at:].split('. ')[0] if at >= 0 else 'an allocation failed'}): make the run "
+            "smaller: --batch_size (more --gradient_accumulation_steps keep the batch), --block_size, or the model")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line; returns exit status (0 done, 1 error, 128 + N stopped by signal N)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -416,9 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         if why and not quiet:
             print(why, flush=True)
         summary = train(cfg, argv)
-    except RUN_ERRORS as e:
+    except (*RUN_ERRORS, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not out_of_memory(e):
+            raise
         if not quiet:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {out_of_memory(e) or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C in set-up, or a second one in the loop
         print(f"interrupted: exited at once without saving; {e or 'nothing was written'}", file=sys.stderr)

@@ -71,5 +71,4 @@ def test_summarize_turns_ablation_rows_into_a_table(tmp_path, capsys):
             for i, v in enumerate(["base", "rope"]) for s in (1, 2)]
     (path := tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert summarize.main([str(path)]) == 0
-    table = capsys.readouterr().out
-    assert "| rope |" in table and "+0.1000" in table
+    assert "| rope |" in (table := capsys.readouterr().out) and "+0.1000" in table

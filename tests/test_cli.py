@@ -100,6 +100,8 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
         offset = len(TEXT.encode()) * 5 + 3
         return argv_for(cfg, dataset=tmp / "latin1.txt"), [f"invalid byte 0xe9 at byte offset {offset}",
                                                            f"iconv -f latin1 -t utf-8 {tmp / 'latin1.txt'}"]
+    if case == "too big for memory":  # a 40 TB allocation: refused at once
+        return argv_for(cfg, n_embd=10**10, n_head=1, dtype="float32"), ["out of memory", "make the run smaller"]
     (tmp / "short.txt").write_text("abcdefghij" * 10)  # val: the last 10 tokens, one 9-token window
     return argv_for(cfg, dataset=tmp / "short.txt", block_size=10), ["val split", "block_size=10 needs at least 11",
                                                                      "--block_size=9 or less"]
@@ -107,7 +109,7 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown key in toml", "ill-typed value", "ill-typed value in toml",
                                   "config is a folder", "out_dir is a file", "doc_mask without documents",
-                                  "non-UTF-8 corpus", "split too short"])
+                                  "non-UTF-8 corpus", "split too short", "too big for memory"])
 def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, tmp_path, capsys):
     argv, fragments = bad_train_args(case, tmp_path)
     assert_one_error_line(*run(capsys, train, *argv)[::2], *fragments)

@@ -141,8 +141,7 @@ def test_the_head_is_tied_to_the_embedding_and_residual_projections_start_smalle
 def test_the_model_overfits_one_batch_and_refuses_a_sequence_longer_than_block_size():
     torch.manual_seed(0)
     model = GPT(tiny(n_embd=32))
-    x, y = torch.randint(11, (4, 12)), torch.randint(11, (4, 12))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y, opt = torch.randint(11, (4, 12)), torch.randint(11, (4, 12)), torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(150):
         opt.zero_grad()
         model(x, y)[1].backward()
