@@ -100,8 +100,8 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
         offset = len(TEXT.encode()) * 5 + 3
         return argv_for(cfg, dataset=tmp / "latin1.txt"), [f"invalid byte 0xe9 at byte offset {offset}",
                                                            f"iconv -f latin1 -t utf-8 {tmp / 'latin1.txt'}"]
-    if case == "too big for memory":  # a 40 TB allocation: refused at once
-        return argv_for(cfg, n_embd=10**10, n_head=1, dtype="float32"), ["out of memory", "make the run smaller"]
+    if case == "too big for memory":  # petabytes, more than any address space: refused at once
+        return argv_for(cfg, n_embd=10**14, n_head=1, dtype="float32"), ["out of memory", "make the run smaller"]
     (tmp / "short.txt").write_text("abcdefghij" * 10)  # val: the last 10 tokens, one 9-token window
     return argv_for(cfg, dataset=tmp / "short.txt", block_size=10), ["val split", "block_size=10 needs at least 11",
                                                                      "--block_size=9 or less"]
