@@ -161,7 +161,7 @@ class WritesMarker(str):  # a path that, unpickled, calls open(path, "w"): the f
 
 REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its config and/or out_dir), the message's parts
     "no_checkpoint": (lambda cfg, out: (out / CKPT_NAME).unlink() or cfg,
-                      ["--resume: no checkpoint at", "without --resume the run starts afresh"]),
+                      ["--resume: no checkpoint at", "without --resume the run starts afresh beside it (--overwrite"]),
     "no_out_dir": (lambda cfg, out: shutil.rmtree(out) or cfg, ["--resume: no checkpoint at"]),
     "architecture": (lambda cfg, out: cfg.replace(n_layer=1, n_embd=32),
                      ["n_layer: checkpoint 2 vs config 1", "n_embd: checkpoint 16 vs config 32",

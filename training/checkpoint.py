@@ -146,7 +146,8 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
     """The checkpoint --resume continues; ValueError (before any write) if it cannot."""
     path = Path(cfg.out_dir) / CKPT_NAME
     if not path.exists():
-        raise ValueError(f"--resume: no checkpoint at {path}; without --resume the run starts afresh there")
+        where = f"beside it (--overwrite: in {path.parent})" if (path.parent / "config.json").exists() else "there"
+        raise ValueError(f"--resume: no checkpoint at {path}; without --resume the run starts afresh {where}")
     ckpt = load_checkpoint(path, map_location=device)
     have = GPTConfig(**ckpt["model_config"]).to_dict()  # a field added since: its default
     diff = [f"{k}: checkpoint {have.get(k)!r} vs config {v!r}" for k, v in model_config.to_dict().items()
