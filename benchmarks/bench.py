@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train  # noqa: E402
 from training import parse_args  # noqa: E402
+from training.checkpoint import json_safe  # noqa: E402
 
 
 def time_to_target(history: list[dict], target: float) -> dict | None:
@@ -38,6 +39,9 @@ def time_to_target(history: list[dict], target: float) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     """Command line: train.py's arguments plus --json and --target_val; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # not TrainConfig's defaults: a GPU-sized run, silent for minutes on a CPU
+        print(f"error: give a config (or --field=value overrides) to benchmark\n{__doc__}", file=sys.stderr)
+        return 2
     own = {"--json": None, "--target_val": None}
     rest = []
     for arg in argv:
@@ -56,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             print(f"error: --target_val must be a number, got {own['--target_val']!r}", file=sys.stderr)
             return 2
+    if own["--json"] is not None and not (own["--json"] and Path(own["--json"]).parent.is_dir()):
+        print(f"error: --json={own['--json']}: give a file in an existing folder", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         if not any(a.split("=")[0] == "--out_dir" for a in rest):
             rest = rest + [f"--out_dir={tmp}"]
@@ -80,15 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         "final_val_loss": summary["final_val_loss"],
         "best_val_loss": summary["best_val_loss"],
         "params": summary["params"],
+        "interrupted": summary["interrupted"],
     }
     if target is not None:
         result["target_val"] = target
         result["time_to_target"] = time_to_target(summary["history"], target)
-    text = json.dumps(result, indent=2)
+    text = json.dumps(json_safe(result), indent=2)  # an interrupted run's best val is inf: null in JSON
     print(text)
     if own["--json"]:
         Path(own["--json"]).write_text(text + "\n")
-    return 0
+    return train.exit_code(summary["interrupted"]) if summary["interrupted"] else 0
 
 
 if __name__ == "__main__":

@@ -36,7 +36,11 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__)
         return 0
-    steps = int(next((a.split("=")[1] for a in argv if a.startswith("--steps=")), 20))
+    given = next((a.split("=")[1] for a in argv if a.startswith("--steps=")), "20")
+    if not given.isdigit() or int(given) < 1:
+        print(f"error: --steps={given}: give a whole number of steps >= 1", file=sys.stderr)
+        return 2
+    steps = int(given)
     argv = [a for a in argv if not a.startswith("--steps=")]
     if not argv or argv[0].startswith("--"):
         argv = [str(ROOT / "configs" / "shakespeare_char_cpu.toml"), *argv]
