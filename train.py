@@ -68,7 +68,7 @@ class Run:
     bad_loss: Tensor  # () float32 on the device: that loss
     # the training clock (stopped for evals and saves) and this run's steps: (steps, clock seconds) at log steps
     train_seconds: float = 0.0
-    mark: float = field(default_factory=time.perf_counter)
+    mark: float = 0.0  # when the clock last started: set_up's end, then each pause's
     steps: int = 0
     marks: list[tuple[int, float]] = field(default_factory=list)
 
@@ -315,16 +315,16 @@ def log_progress(run: Run, step: int, loss: Tensor, lr: float, grad_norm: Tensor
         loss_f, seconds = loss.item(), run.train_seconds + time.perf_counter() - run.mark
         steps_before, seconds_before = run.marks[-1] if run.marks else (0, 0.0)
         run.marks.append((run.steps, seconds))
-        tok_s = run.steps * out.tokens_per_step / max(seconds, 1e-9)
-        text = (f"loss {loss_f:.4f} ({loss_f / math.log(2):.3f} bpc) | lr {lr:.2e} | "
+        tok_s, mfu = out.speed(run.steps, seconds)
+        text = (f"loss {loss_f:.4f} ({bpc(loss_f):.3f} bpc) | lr {lr:.2e} | "
                 f"{1000 * (seconds - seconds_before) / (run.steps - steps_before):.1f} ms/step | {tok_s:,.0f} tok/s")
         if out.interactive:
             out.bar.set_postfix_str(text, refresh=False)
         elif out.enabled:
             print(f"step {step:6d} | {text}", flush=True)
         scalars |= {"loss/train": loss_f, "speed/tokens_per_second": tok_s}
-        if out.peak is not None:
-            scalars["speed/mfu"] = out.flops_per_token * tok_s / out.peak  # 0..1
+        if mfu is not None:
+            scalars["speed/mfu"] = mfu
         if grad_norm is not None:
             scalars["optim/grad_norm"] = grad_norm.item()
     out.scalars(step, scalars)  # to TensorBoard
@@ -427,10 +427,11 @@ def main(argv: list[str] | None = None) -> int:
             print(why, flush=True)
         summary = train(cfg, argv)
     except (*RUN_ERRORS, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and not out_of_memory(e):
+        said = str(e) if isinstance(e, RUN_ERRORS) else out_of_memory(e)
+        if said is None:  # a RuntimeError that is a bug, not the machine's limit
             raise
         if not quiet:
-            print(f"error: {out_of_memory(e) or e}", file=sys.stderr)
+            print(f"error: {said}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C in set-up, or a second one in the loop
         print(f"interrupted: exited at once without saving; {e or 'nothing was written'}", file=sys.stderr)

@@ -63,6 +63,11 @@ class RunLog:
         elif self.enabled:
             print(text, flush=True)
 
+    def speed(self, steps: int, seconds: float) -> tuple[float, float | None]:
+        """Tokens/s of `steps` steps in `seconds`, and its MFU (0..1; None without a peak)."""
+        tok_s = steps * self.tokens_per_step / max(seconds, 1e-9)
+        return tok_s, None if self.peak is None else self.flops_per_token * tok_s / self.peak
+
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Each value at step, under its name, to TensorBoard (if on)."""
         if self.writer is not None:
@@ -114,8 +119,7 @@ class RunLog:
         final = figures["final_val_loss"]
         intervals = [1000 * (e - e0) / (n - n0) for (n0, e0), (n, e) in itertools.pairwise([(0, 0.0), *marks])]
         median = float(np.median(intervals)) if intervals else None
-        mfu = self.flops_per_token * marks[-1][0] * self.tokens_per_step / max(marks[-1][1], 1e-9) / self.peak \
-            if marks and self.peak is not None else None
+        mfu = self.speed(*marks[-1])[1] if marks else None  # the last progress line's
         return {**figures, "final_val_bpc": None if final is None else bpc(final),
                 "last_val_estimate": history[-1]["val_loss"] if history else None,
                 **{k: facts[k] for k in ("params", "device", "dtype", "world_size")},
