@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 import training.checkpoint as checkpoint
+import training.runtime as runtime
 from data import SEPARATOR, CharTokenizer, check_split_sizes, get_batch, load_corpus
 from model import GPT
 from training import Stopped, TrainConfig, estimate_loss, exact_loss, parse_args, print_help, resolve_device
@@ -29,7 +30,6 @@ from training.evaluate import evaluating
 from training.faults import RunGuard, exit_code, signal_name
 from training.log import RunLog, bpc, format_duration
 from training.optim import configure_optimizers
-from training.runtime import peak_flops, record_speed, reproducible_blas, resolve_compile, resolve_dtype, run_facts
 from training.visualize import prompt_attention, render_attention
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -62,6 +62,7 @@ class Run:
     saved: int | None  # the step ckpt.pt holds (None: none yet)
     facts: dict
     t_start: float
+    compiled_before: float  # compile seconds at set-up: what earlier runs in this process compiled
     best_val: float
     history: list[dict]
     first_bad: Tensor  # () int64 on the device: the step of the first non-finite loss, NO_STEP before one
@@ -122,11 +123,11 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     model_cfg = cfg.model_config(tok.vocab_size, tok.stoi[SEPARATOR] if cfg.doc_mask else None)
     ckpt = checkpoint.checkpoint_to_resume(cfg, model_cfg, tok, device) if cfg.resume else None
     kept = ckpt["config"] if ckpt else {}  # a resume keeps its run's dtype and compile
-    dtype, dtype_why = resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd),
-                                     kept.get("dtype"))
+    dtype, dtype_why = runtime.resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd),
+                                             kept.get("dtype"))
     cfg = cfg.replace(dtype=str(dtype).removeprefix("torch."))  # what ran
-    use_compile, compile_why = resolve_compile(cfg.compile, device, cfg, cfg.max_iters - (ckpt or {}).get("step", 0),
-                                               kept.get("compile"))
+    steps = cfg.max_iters - (ckpt or {}).get("step", 0)
+    use_compile, compile_why = runtime.resolve_compile(cfg.compile, device, cfg, steps, kept.get("compile"))
     cfg = cfg.replace(compile=str(use_compile).lower())
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     # data (int32: half of int64), model, optimizers, resumed state
@@ -141,11 +142,11 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
         torch.manual_seed(dist.seed(cfg.seed, start))
         batch_gen.manual_seed(dist.seed(cfg.seed, start))
     fwd = dist.wrap(torch.compile(model) if use_compile else model)  # saves use `model`
-    facts = {"config": cfg.to_dict(), "run": run_facts(argv), "device": str(device), "dtype": cfg.dtype,
+    facts = {"config": cfg.to_dict(), "run": runtime.run_facts(argv), "device": str(device), "dtype": cfg.dtype,
              "compile": use_compile, "params": model.num_params(), "corpus": corpus.name, "world_size": dist.world_size}
     if dist.is_main:
         checkpoint.prepare_run_folder(cfg, facts)
-    log = RunLog(cfg, model.flops_per_token(cfg.block_size), peak_flops(device, cfg.peak_tflops), start,
+    log = RunLog(cfg, model.flops_per_token(cfg.block_size), runtime.peak_flops(device, cfg.peak_tflops), start,
                  enabled=verbose and dist.is_main)
     log.line(f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, {tok.vocab_size} symbols "
              f"| {model.num_params() / 1e6:.2f}M params | {device} {cfg.dtype} ({dtype_why}) | "
@@ -157,7 +158,7 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits, micro_steps, autocast,
-              start, start if ckpt else None, facts, t_start, best_val, history,
+              start, start if ckpt else None, facts, t_start, runtime.compile_time(), best_val, history,
               first_bad=torch.tensor(NO_STEP, device=device), bad_loss=torch.zeros((), device=device))
     if device.type != "cuda" and log.enabled:
         announce_duration(run, argv)
@@ -385,10 +386,11 @@ def finish(run: Run, done: int, stop: int | None) -> dict:
                  "the same command with --resume to continue")
     summary = log.summary(run.facts, run.history, run.marks, run.steps, run.train_seconds, best_val_loss=run.best_val,
                           final_val_loss=final_val, steps=done, wall_seconds=time.perf_counter() - run.t_start,
+                          compile_seconds=runtime.compile_time() - run.compiled_before,
                           interrupted=interrupted, checkpoint_step=run.saved)
     log.finish(summary, done, interrupted)
     if device.type == "cpu" and run.dist.is_main:
-        record_speed(cfg, summary)
+        runtime.record_speed(cfg, summary)
     return summary
 
 
@@ -416,7 +418,7 @@ def out_of_memory(e: BaseException) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Command line; returns exit status (0 done, 1 error, 128 + N stopped by signal N)."""
     argv = sys.argv[1:] if argv is None else argv
-    reproducible_blas()
+    runtime.reproducible_blas()
     if print_help(argv, TrainConfig):
         return 0
     quiet = launched_by_torchrun(os.environ) and os.environ.get("LOCAL_RANK") != "0"  # errors once per node

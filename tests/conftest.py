@@ -15,8 +15,8 @@ import torch  # noqa: E402
 # Tests are about exactness, not speed: one thread keeps float results reproducible and leaves the other
 # core to the subprocesses some tests start.
 torch.set_num_threads(1)
-# remembered measurements (training/runtime.py) go to a folder of this session, never the user's ~/.cache
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gpt-char-tests-")
+# remembered measurements and compile markers (training/runtime.py) go to a folder of this session, never the user's
+os.environ["XDG_CACHE_HOME"] = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpt-char-tests-")
 KINDS = ("LEAK", "query", "no leak")  # the report's order: leaks, queries blind to their own key, other rules
 
 

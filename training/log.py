@@ -126,6 +126,4 @@ class RunLog:
                 "peak_memory_mb": peak_memory_mb(torch.device(facts["device"])), "history": history,
                 "steps_this_run": steps_this_run, "train_seconds": seconds, "mfu": mfu,
                 "tokens_per_second": steps_this_run * self.tokens_per_step / seconds if seconds > 0 else None,
-                "ms_per_step_median": median,
-                # a compile's cost shows in the first interval
-                "first_log_excess_s": marks[0][1] - marks[0][0] * median / 1000 if marks else None}
+                "ms_per_step_median": median}

@@ -1,6 +1,8 @@
 """Device, dtype, peak FLOP/s and the facts of a run."""
 
 import contextlib
+import getpass
+import hashlib
 import json
 import os
 import platform
@@ -8,6 +10,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -65,20 +68,42 @@ def speed_key(cfg: Any) -> str:
             f"window {cfg.attn_window} doc_mask {cfg.doc_mask} {cfg.optimizer}")
 
 
+def compiled_here(cfg: Any) -> Path:
+    """A marker in inductor's on-disk cache, made once this shape has compiled into it: wiped with the cache (a
+    reboot empties /tmp), so it says whether the next compile is warm (seconds) or cold (a minute)."""
+    user = "unknown_user"
+    with contextlib.suppress(KeyError, OSError):
+        user = getpass.getuser()
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(tempfile.gettempdir()) / f"torchinductor_{user}"
+    return Path(cache) / f"gpt-char-{hashlib.sha1(f'{torch.__version__} {speed_key(cfg)}'.encode()).hexdigest()}"
+
+
+def compile_time() -> float:
+    """Seconds torch.compile has spent compiling in this process, every graph (the step's, the evaluations')."""
+    import torch._dynamo.utils  # private: the only count that sees the eval graph's compile (half the cost)
+
+    return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
+
+
 def record_speed(cfg: Any, summary: dict) -> None:
-    """Keep this CPU run's median ms/step (and its compile's extra seconds) for compile='auto' to decide from."""
+    """Keep this CPU run's median ms/step (and its compile's extra seconds, cold or warm) for compile='auto'."""
     if summary["ms_per_step_median"] and summary["steps_this_run"] >= 20 and not summary["interrupted"]:
         kind = "compiled" if cfg.compile == "true" else "eager"
-        new = {kind: summary["ms_per_step_median"]} | ({"compile_s": summary["first_log_excess_s"]}
-                                                        if kind == "compiled" else {})
+        new = {kind: summary["ms_per_step_median"]}
+        if kind == "compiled":
+            marker = compiled_here(cfg)
+            new["warm_s" if marker.exists() else "cold_s"] = summary["compile_seconds"]
+            with contextlib.suppress(OSError):
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
         remembered(speed_key(cfg), update=lambda kept: (kept or {}) | new)
 
 
 def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int, kept: str | None = None
                     ) -> tuple[bool, str]:
     """'auto' -> the resumed run's `kept` choice; compile on CUDA; on a CPU where this machine's own runs of this
-    shape say compiled steps are faster by more than twice what compiling took (record_speed keeps them); else not.
-    And why."""
+    shape (record_speed keeps them) say compiled steps save more than twice what compiling costs: a cold compile's
+    seconds, or with the shape in inductor's cache a warm one's (0 until measured); else not. And why."""
     if choice == "auto" and kept not in (None, "auto"):
         return kept == "true", KEPT
     if choice != "auto":
@@ -86,11 +111,13 @@ def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int, kep
     if device.type != "cpu":
         return device.type == "cuda", f"auto: {device.type}"
     runs = remembered(speed_key(cfg))[0] or {}
-    if "eager" not in runs or "compiled" not in runs:
+    if not {"eager", "compiled", "cold_s"} <= runs.keys():
         return False, "auto: its gain not measured here yet; --compile=true measures it"
-    saving, cost = steps * (runs["eager"] - runs["compiled"]) / 1000, runs["compile_s"]
-    return saving > 2 * cost, (f"auto: {runs['compiled']:.0f} vs {runs['eager']:.0f} ms/step here, {steps} steps "
-                               f"save {saving:.0f} s, compiling took {cost:.0f} s")
+    kind = "warm_s" if compiled_here(cfg).exists() else "cold_s"
+    saving, cost = steps * (runs["eager"] - runs["compiled"]) / 1000, max(runs.get(kind, 0), 0)
+    took = f"took {cost:.0f} s" if kind in runs else "is not measured yet"
+    return saving > 2 * cost, (f"auto: {runs['compiled']:.0f} vs {runs['eager']:.0f} ms/step here, {steps} steps save "
+                               f"{saving:.0f} s, a {kind[:4]} compile {took}")
 
 
 def cpu_bf16_speedup(rows: int, width: int) -> float:
