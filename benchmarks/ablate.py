@@ -104,6 +104,8 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"unexpected argument {arg!r}\n{__doc__}")
     if plan_path is None or opts["--dataset"] is None:
         raise SystemExit(__doc__)
+    if Path(opts["--dataset"]).exists():  # a path of the caller's folder: the runs start in the repository
+        opts["--dataset"] = str(Path(opts["--dataset"]).resolve())
     try:
         plan = tomllib.loads(Path(plan_path).read_text())
         check_plan(plan)

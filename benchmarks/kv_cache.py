@@ -129,11 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             print(f"error: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    if args.json and not Path(args.json).parent.is_dir():  # checked before the run, not after
+        print(f"error: --json={args.json}: give a file in an existing folder", file=sys.stderr)
+        return 2
     try:
         new_tokens = args.new_tokens if args.new_tokens is not None else (63 if args.small else 256)
         result = rolling(args.device, args.window, **size) if args.window else \
             run(args.device, new_tokens, args.repeats, args.backend, args.slide, **size)
-    except ValueError as e:  # e.g. a slide larger than the block
+    except (ValueError, RuntimeError) as e:  # a slide larger than the block; a device torch does not know
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(result, indent=2)

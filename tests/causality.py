@@ -14,6 +14,7 @@ test can substitute a broken piece and watch them fail: see tests/mutants.py.
 Run on a trained model:  python tests/causality.py --ckpt out/shakespeare_char/ckpt.pt
 """
 
+import argparse
 import math
 import sys
 import tempfile
@@ -577,14 +578,14 @@ def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
     ckpt, checks = load_checkpoint(path), []
     for backend in ("manual", "sdpa"):
         m = model_from_checkpoint(ckpt, "cpu", attn_backend=backend, dropout=0.0)[0].double().eval()
+        if T is not None and not 2 <= T <= (T if m.endless else m.config.block_size):  # a query and an earlier key
+            raise ValueError(f"--T={T}: give 2 to {'any length' if m.endless else f'block_size={m.config.block_size}'}")
         length = T or min(16, m.config.block_size) + (m.config.block_size if m.endless else 0)
         checks += model_checks(m, test_tokens(m, 3, T=length))
     return checks
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(description="Run the causality checks and print each one's numbers.")
     p.add_argument("--ckpt", help="a checkpoint to check (default: re-drawn random models, every check)")
     p.add_argument("--T", type=int, default=None, help="sequence length for checkpoint checks (default: 16, "
