@@ -90,9 +90,9 @@ def attention_png(args: SampleConfig) -> None:
     path = Path(args.attention_png or ckpt.parent / "attention.png")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(render_attention(maps, list(prompt))).save(path, format="PNG")
-    except OSError as e:
-        raise ValueError(f"--attention_png: cannot write {path}: {e.strerror or e}") from None
+        Image.fromarray(render_attention(maps, list(prompt))).save(path, format=None if path.suffix else "PNG")
+    except (OSError, ValueError) as e:  # ValueError: PIL knows no format by that extension
+        raise ValueError(f"--attention_png: cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
     cropped = f" (the last {len(ids)} of the prompt's {len(full)} characters)" if len(full) > len(ids) else ""
     print(f"[wrote {path}: {len(maps)} layers x {maps[0].shape[0]} heads, {len(ids)} x {len(ids)}{cropped}]",
           file=sys.stderr)

@@ -85,7 +85,7 @@ def render_attention(maps: Sequence[Tensor], chars: Sequence[str],
                     if ch == " ":  # ⎵: the default font lacks it
                         draw.line([(cx - 3, cy - 1), (cx - 3, cy + 2), (cx + 3, cy + 2), (cx + 3, cy - 1)], fill=GREY)
                     else:
-                        label = {"\n": "\\n", "\t": "\\t", SEPARATOR: "¶"}.get(ch, ch)
+                        label = {"\n": "\\n", "\t": "\\t", SEPARATOR: "RS"}.get(ch, ch)  # RS: ASCII's name for it
                         draw.text((cx, cy), label, fill=GREY, font=font, anchor="mm")
     x, y, width = lay.gap + 40, lay.size[1] - lay.scale + 6, 240  # scale: swatch for 0, then ramp
     ramp = colour(np.linspace(1e-9, 1, width) ** (1 / GAMMA))[None]  # (1, width, 3): even in colour
