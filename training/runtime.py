@@ -1,7 +1,6 @@
 """Device, dtype, peak FLOP/s and the facts of a run."""
 
 import contextlib
-import getpass
 import hashlib
 import json
 import os
@@ -10,7 +9,6 @@ import re
 import resource
 import subprocess
 import sys
-import tempfile
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -71,10 +69,9 @@ def speed_key(cfg: Any) -> str:
 def compiled_here(cfg: Any) -> Path:
     """A marker in inductor's on-disk cache, made once this shape has compiled into it: wiped with the cache (a
     reboot empties /tmp), so it says whether the next compile is warm (seconds) or cold (a minute)."""
-    user = "unknown_user"
-    with contextlib.suppress(KeyError, OSError):
-        user = getpass.getuser()
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(tempfile.gettempdir()) / f"torchinductor_{user}"
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # private: where inductor caches
+
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
     return Path(cache) / f"gpt-char-{hashlib.sha1(f'{torch.__version__} {speed_key(cfg)}'.encode()).hexdigest()}"
 
 
@@ -93,8 +90,7 @@ def record_speed(cfg: Any, summary: dict) -> None:
         if kind == "compiled":
             marker = compiled_here(cfg)
             new["warm_s" if marker.exists() else "cold_s"] = summary["compile_seconds"]
-            with contextlib.suppress(OSError):
-                marker.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # no cache folder: nothing was cached
                 marker.touch()
         remembered(speed_key(cfg), update=lambda kept: (kept or {}) | new)
 
