@@ -33,6 +33,7 @@ import data.text  # noqa: E402
 import model.attention as attn_lib  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from reference import document_ids, reach, rule_grid, rule_name  # noqa: E402
+from training import exact_loss, load_checkpoint, model_from_checkpoint  # noqa: E402
 
 WINDOWS = (0, 3)  # the rule without and with a window shorter than every test sequence
 T_ATTENTION = 8
@@ -481,8 +482,6 @@ def check_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray, seed:
 def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray) -> Check:
     """training.exact_loss (every run's final_val_loss) is the mean CE of every corpus token after the first, given
     the tokens before it in its block_size window: recomputed window by window, not from the code's windows or shift."""
-    from training import exact_loss
-
     T, n = model.config.block_size, len(corpus)
     tokens = torch.from_numpy(corpus.astype(np.int64))
     with torch.no_grad():
@@ -573,8 +572,6 @@ def iter_checks() -> Iterator[Check]:
 
 def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
     """The model-level checks on a trained checkpoint's real weights (float64, eval mode, both backends)."""
-    from training import load_checkpoint, model_from_checkpoint
-
     ckpt, checks = load_checkpoint(path), []
     for backend in ("manual", "sdpa"):
         m = model_from_checkpoint(ckpt, "cpu", attn_backend=backend, dropout=0.0)[0].double().eval()

@@ -14,7 +14,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -170,8 +169,7 @@ def batcher(shift: int) -> Callable:
         n = len(data_)
         offsets = torch.randint(2, n - block_size - 2, (batch_size,), generator=generator)  # room for any shift
         idx = offsets[:, None] + torch.arange(block_size)
-        arr = data_ if isinstance(data_, Tensor) else torch.from_numpy(np.asarray(data_, dtype=np.int64))
-        return arr[idx].long().to(device), arr[idx + shift].long().to(device)
+        return data_[idx].long().to(device), data_[idx + shift].long().to(device)
 
     return get_batch
 

@@ -88,16 +88,18 @@ def test_a_resumed_run_keeps_the_dtype_auto_chose_at_its_start(tmp_path, monkeyp
     assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], c[k]) for k in a)
 
 
-def test_a_worse_estimate_never_replaces_the_best_checkpoint_even_after_a_resume_between_evals(tmp_path, monkeypatch):
-    """Estimates 2.0, 1.0 | 1.5, 0.5 at steps 0, 2 | 4, 6, Ctrl-C (saving step 3) at |: the best stays 1.0 over it."""
-    values, saves, real_save = iter([2.0, 1.0, 1.5, 0.5]), [], train.checkpoint.save_checkpoint
+@pytest.mark.parametrize("always", [False, True])
+def test_a_worse_estimate_never_replaces_the_best_checkpoint_even_across_a_resume(tmp_path, monkeypatch, always):
+    """Estimates 2.0, 1.0 | 1.5, 0.5, 1.2 at steps 0, 2 | 4, 6, 8, Ctrl-C (saving step 3) at |: the best is 1.0 over it,
+    then 0.5, also when always_save_checkpoint saves at every eval (the best val is the best, not the last)."""
+    values, saves, real_save = iter([2.0, 1.0, 1.5, 0.5, 1.2]), [], train.checkpoint.save_checkpoint
     monkeypatch.setattr(train, "estimate_loss", lambda *a, **k: dict.fromkeys(("train", "val"), next(values)))
     monkeypatch.setattr(train.checkpoint, "save_checkpoint", lambda path, state: saves.append(state["step"]) or
                         real_save(path, state))
-    cfg = tiny_config(tmp_path, max_iters=6, eval_interval=2, lr_decay_iters=6, exact_val=False)
+    cfg = tiny_config(tmp_path, max_iters=8, eval_interval=2, lr_decay_iters=8, always_save_checkpoint=always)
     assert ctrl_c_in_batch(3, cfg, verbose=False)["interrupted"] == "SIGINT"  # the 3rd batch: step 2's
     summary = train.train(cfg.replace(resume=True), verbose=False)
-    assert saves == [2, 3, 6], f"checkpoints written at steps {saves}"
+    assert saves == ([2, 3, 4, 6, 8] if always else [2, 3, 6]), f"checkpoints written at steps {saves}"
     assert summary["best_val_loss"] == load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)["best_val_loss"] == 0.5
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tensorboard.backend.event_processing import event_accumulator as ea
 
 import model.gpt
 import sample
@@ -235,8 +236,6 @@ def test_num_samples_are_three_texts_between_dashed_lines_and_top_k_0_means_ever
 
 def test_an_sdpa_run_draws_its_attention_maps_in_tensorboard_and_by_a_bare_attention_png_in_out_dir(tmp_path, capsys):
     """sdpa returns no weights, yet the eval snapshots and --attention_png draw them (every layer, blue cells)."""
-    from tensorboard.backend.event_processing import event_accumulator as ea
-
     cfg = tiny_config(tmp_path, attn_backend="sdpa", max_iters=2, eval_interval=2, sample_tokens=0, exact_val=False)
     assert run(capsys, train, *argv_for(cfg))[0] == 0
     acc = ea.EventAccumulator(cfg.out_dir, size_guidance={ea.IMAGES: 0}).Reload()

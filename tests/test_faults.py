@@ -272,13 +272,14 @@ STEP_7 = "loss is {} at step 7; stopped without saving anything from that step o
     ids=["nan-estimate", "nan-log_step", "inf-estimate", "inf-log_step", "nan-weight", "full-disk"])
 def test_a_fault_stops_the_run_with_one_error_line_and_the_last_checkpoint_byte_identical(
         run_dir, monkeypatch, capsys, fault, fields, says):
-    """Resumed at step 4: step 7's loss made non-finite (caught by step 8's estimate or log step 10), a weight made
-    nan, or the disk full: exit 1, one error line naming it, ckpt.pt the step-4 file byte for byte, no temp file."""
+    """Resumed at step 4: step 7's loss non-finite (training stops at step 8's estimate or log step 10), a weight nan,
+    or the disk full: exit 1, one error line naming it, ckpt.pt the step-4 file byte for byte, no temp file."""
     cfg, path = run_dir[0], run_dir[1] / CKPT_NAME  # a copy of conftest.py's finished run
     good = path.read_bytes()
-    monkeypatch.setattr(torch, "save", disk_fills) if fault is disk_fills else instrument(monkeypatch, fault)
+    counts = monkeypatch.setattr(torch, "save", disk_fills) if fault is disk_fills else instrument(monkeypatch, fault)
     rc, err = train.main(cli_args(cfg.replace(**fields))), capsys.readouterr().err
     assert rc == 1, err
+    assert "log_interval" not in fields or counts["train"] == (4 if fields["eval_interval"] == 4 else 7), counts
     (line,) = [line for line in err.splitlines() if line.strip()]  # one line, no traceback
     assert line.startswith("error: ") and all(s.format(path=path) in line for s in says), line
     assert path.read_bytes() == good and temp_files(path.parent) == set()
