@@ -76,10 +76,12 @@ def compiled_here(cfg: Any) -> Path:
 
 
 def compile_time() -> float:
-    """Seconds torch.compile has spent compiling in this process, every graph (the step's, the evaluations')."""
+    """Seconds torch.compile has spent compiling in this process, every graph (the step's, the evaluations'); 0 where
+    torch keeps no such count."""
     import torch._dynamo.utils  # private: the only count that sees the eval graph's compile (half the cost)
 
-    return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
+    spent = getattr(torch._dynamo.utils, "calculate_time_spent", dict)  # a torch without it: nothing counted
+    return spent().get("total_wall_time", 0.0)
 
 
 def record_speed(cfg: Any, summary: dict) -> None:
