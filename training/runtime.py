@@ -1,6 +1,7 @@
 """Device, dtype, peak FLOP/s and the facts of a run."""
 
 import contextlib
+import getpass
 import hashlib
 import json
 import os
@@ -9,6 +10,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -69,9 +71,10 @@ def speed_key(cfg: Any) -> str:
 def compiled_here(cfg: Any) -> Path:
     """A marker in inductor's on-disk cache, made once this shape has compiled into it: wiped with the cache (a
     reboot empties /tmp), so it says whether the next compile is warm (seconds) or cold (a minute)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # private: where inductor caches
-
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    user = "unknown_user"  # where inductor caches (its own cache_dir_utils is private, and missing before 2.5)
+    with contextlib.suppress(KeyError, OSError):
+        user = getpass.getuser()
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(tempfile.gettempdir()) / f"torchinductor_{user}"
     return Path(cache) / f"gpt-char-{hashlib.sha1(f'{torch.__version__} {speed_key(cfg)}'.encode()).hexdigest()}"
 
 
