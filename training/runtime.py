@@ -71,7 +71,7 @@ def speed_key(cfg: Any) -> str:
 def compiled_here(cfg: Any) -> Path:
     """A marker in inductor's on-disk cache, made once this shape has compiled into it: wiped with the cache (a
     reboot empties /tmp), so it says whether the next compile is warm (seconds) or cold (a minute)."""
-    user = "unknown_user"  # where inductor caches (its own cache_dir_utils is private, and missing before 2.5)
+    user = "unknown_user"  # where inductor caches by default (its own helper for this is private API)
     with contextlib.suppress(KeyError, OSError):
         user = getpass.getuser()
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(tempfile.gettempdir()) / f"torchinductor_{user}"
