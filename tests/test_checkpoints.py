@@ -18,7 +18,7 @@ import train
 from model import GPT, GPTConfig
 from tiny import ROOT, TEXT, cli_args, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, TrainConfig, load_checkpoint, save_checkpoint
-from training.checkpoint import FORMAT, write_atomic
+from training.checkpoint import FORMAT, prepare_run_folder, run_folder, write_atomic
 
 N, K = 8, 4  # an uninterrupted run of N steps; its twin stops at K and resumes to N
 
@@ -203,10 +203,13 @@ def test_a_checkpoint_that_cannot_be_continued_is_refused_before_out_dir_is_touc
 
 
 def test_the_same_copy_resumes_when_nothing_is_wrong(run_dir, capsys):
-    """Positive control of the refusals: the harness does see a resume's writes."""
+    """Positive control of the refusals: the harness does see a resume's writes. Nor is a checkpoint from before
+    fields were added (their defaults) refused, or the attention backend, which computes the same."""
     cfg, out = run_dir
+    ckpt, new = load_checkpoint(path := out / CKPT_NAME), ("pos_emb", "qk_norm", "attn_window", "doc_sep")
+    torch.save({**ckpt, "model_config": {k: v for k, v in ckpt["model_config"].items() if k not in new}}, path)
     before = snapshot(out)
-    assert train.main(cli_args(cfg)) == 0, capsys.readouterr().err
+    assert train.main(cli_args(cfg.replace(attn_backend="sdpa"))) == 0, capsys.readouterr().err
     assert snapshot(out) != before and load_checkpoint(out / CKPT_NAME)["step"] == 6
 
 
@@ -257,6 +260,12 @@ def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_k
     assert train.main(cli_args(cfg.replace(overwrite=True, max_iters=3, lr_decay_iters=3))) == 0
     assert load_checkpoint(out / CKPT_NAME)["step"] == 3 and len(list(out.glob("events.out.tfevents.*"))) == 1
     assert not any(p.exists() for p in stale) and (out / "notes.txt").exists(), "temporaries kept or notes.txt gone"
+    for resume in (True, False):  # --overwrite with --resume continues the run: its curves and summary stay
+        prepare_run_folder(cfg.replace(overwrite=True, resume=resume), {})
+        assert (out / "summary.json").exists() == resume == any(out.glob("events.out.tfevents.*"))
+    (solo := tmp_path / "solo").mkdir()  # a run that lost its config.json is still a run
+    shutil.copy(out / CKPT_NAME, solo)
+    assert run_folder(tiny_config(tmp_path, out_dir=str(solo)))[0] == tmp_path / "solo-2"
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])

@@ -89,6 +89,12 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
     if case == "ill-typed value in toml":
         toml.write_text('n_layer = "two"\n')
         return argv_for(cfg, toml, skip=("n_layer",)), ["n_layer must be int, got 'two'"]
+    if case == "non-UTF-8 toml":
+        toml.write_bytes("# café\n".encode("latin1"))
+        return argv_for(cfg, toml), [f"{toml} is not UTF-8 text: invalid byte 0xe9 at byte offset 5", "iconv"]
+    if case == "missing device":  # cuda:N where N = the machine's count
+        n = torch.cuda.device_count()
+        return argv_for(cfg, device=f"cuda:{n}"), [f"device='cuda:{n}' but this machine has {n} cuda devices"]
     if case == "config is a folder":
         return argv_for(cfg, tmp), [f"config file {tmp}: cannot read it", "give a .toml file"]
     if case == "out_dir is a file":
@@ -102,15 +108,16 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
         return argv_for(cfg, dataset=tmp / "latin1.txt"), [f"invalid byte 0xe9 at byte offset {offset}",
                                                            f"iconv -f latin1 -t utf-8 {tmp / 'latin1.txt'}"]
     if case == "too big for memory":  # petabytes, more than any address space: refused at once
-        return argv_for(cfg, n_embd=10**14, n_head=1, dtype="float32"), ["out of memory", "make the run smaller"]
+        return argv_for(cfg, n_embd=10**14, n_head=1, dtype="float32"), ["memory (tried to", "bytes): make the run"]
     (tmp / "short.txt").write_text("abcdefghij" * 10)  # val: the last 10 tokens, one 9-token window
     return argv_for(cfg, dataset=tmp / "short.txt", block_size=10), ["val split", "block_size=10 needs at least 11",
                                                                      "--block_size=9 or less"]
 
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown key in toml", "ill-typed value", "ill-typed value in toml",
-                                  "config is a folder", "out_dir is a file", "doc_mask without documents",
-                                  "non-UTF-8 corpus", "split too short", "too big for memory"])
+                                  "non-UTF-8 toml", "config is a folder", "out_dir is a file", "missing device",
+                                  "doc_mask without documents", "non-UTF-8 corpus", "split too short",
+                                  "too big for memory"])
 def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, tmp_path, capsys):
     argv, fragments = bad_train_args(case, tmp_path)
     assert_one_error_line(*run(capsys, train, *argv)[::2], *fragments)
@@ -131,6 +138,7 @@ def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, 
     ("--top-k=5", "unknown option 'top-k'; did you mean top_k"), ("--temprature=0", "did you mean temperature?"),
     ("--seed=-1", "--seed must be in [0, 2**62], got -1"), ("--top_k=x", "option top_k: 'x' is not a valid int"),
     ("--prompt", "option prompt needs a value: --prompt=VALUE"), ("--top_k=-1", "--top_k must be >= 0, got -1"),
+    ("{ckpt} --slide=17", "slide must be an integer in [1, block_size=16], got 17"),
     ("--device=foo", "--device must be one of auto, cpu"), ("{ckpt} --attention_png=m.x", "write m.x: unknown file"),
     ("out", "unexpected argument 'out': options start with --")])
 def test_a_bad_sample_command_line_is_one_error_line_before_any_text(runs, capsys, argv, fragment):
@@ -289,3 +297,12 @@ def test_a_model_of_lines_samples_whole_documents_each_ending_at_the_separator(t
     lines = out.split("\n")
     assert code == 0 and len(lines) == 4 and lines[-1] == "" and "\x1e" not in out, out
     assert all(0 < len(name) < 20 and name.isalpha() for name in lines[:3]), out
+
+
+def test_samples_of_a_model_of_paragraphs_which_hold_line_ends_are_parted_by_dashed_lines(tmp_path, capsys):
+    (verses := tmp_path / "verses.txt").write_text("roses are red,\nviolets are blue\n\n" * 100)
+    cfg = tiny_config(tmp_path, dataset=str(verses), documents="paragraphs", max_iters=1, eval_interval=1,
+                      eval_iters=1, tensorboard=False, exact_val=False)
+    train.train(cfg, verbose=False)
+    code, out, _ = run(capsys, sample, f"--out_dir={cfg.out_dir}", "--num_samples=3", "--max_new_tokens=20")
+    assert code == 0 and out.count(DASHES) == 2 and "\x1e" not in out, out

@@ -113,7 +113,7 @@ def test_eval_windows_cover_every_target_exactly_once_in_order_down_to_a_last_wi
 
 def test_a_folder_is_its_txt_files_in_sorted_path_order_without_hidden_ones(tmp_path):
     folder = tmp_path / ".cache" / "texts"  # only names below the folder count as hidden
-    for name, text in [("b.txt", "second "), ("a.txt", "first "), ("sub/c.txt", "third"), ("notes.md", "no"),
+    for name, text in [("b.txt", "second "), ("a.txt", "first "), ("sub/0.txt", "third"), ("notes.md", "no"),
                        ("only_hidden/.draft.txt", "hidden"), (".ipynb_checkpoints/a-checkpoint.txt", "stale")]:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text, encoding="utf-8")
@@ -249,6 +249,9 @@ def test_documents_are_lines_or_paragraphs_each_opened_by_the_separator_which_pr
     assert load_text(str(path), documents="lines")[0] == SEP + "ab" + SEP + "cd" + SEP + "ef"
     assert load_text(str(path), documents="paragraphs")[0] == SEP + "ab" + SEP + "cd\nef"
     assert load_text(str(path))[0] == "ab\n\ncd\nef\n"
+    path.write_bytes(b"ab\r\n \r\ncd\r\nef\r\n")  # Windows line ends; a blank line that holds a space
+    assert [load_text(str(path), documents=d)[0] for d in ("lines", "paragraphs")] == [
+        SEP + "ab" + SEP + " " + SEP + "cd" + SEP + "ef", SEP + "ab" + SEP + "cd\r\nef"]
     path.write_text("ab\nc" + SEP + "d\n", encoding="utf-8")
     with pytest.raises(ValueError, match="document 1 contains U\\+001E, the document separator"):
         load_text(str(path), documents="lines")

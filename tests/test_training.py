@@ -23,6 +23,7 @@ from mutants import REAL, batcher, rule_leaks_one_step, substitute
 from tiny import CPU_CONFIGS, ROOT, TEXT, ctrl_c_in_batch, tiny_config
 from training import TrainConfig, configure_optimizers, estimate_loss, exact_loss, parse_args
 from training.evaluate import evaluating
+from training.log import RunLog, format_duration
 from training.optim import Muon, orthogonalize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -314,8 +315,9 @@ def test_muon_steps_by_orthogonalised_nesterov_momentum_scaled_up_for_tall_matri
 # --- devices: the dtype rule, and what a GPU step must not do -----------------------------------------
 
 @pytest.mark.parametrize("speedup, matmul, expected", [(3.0, (12 * 64, 128), torch.bfloat16),
-    (3.0, (2 ** 10, 2 ** 6 - 1), torch.float32), (1.4, (12 * 64, 128), torch.float32),
-    (0.09, (12 * 64, 128), torch.float32)], ids=["amx-laptop-recipe", "too-small", "too-little-gain", "avx2-only"])
+    (3.0, (2 ** 10, 2 ** 6 - 1), torch.float32), (1.5, (12 * 64, 128), torch.bfloat16), (1.4, (12 * 64, 128),
+    torch.float32), (0.09, (12 * 64, 128), torch.float32)], ids=["amx-laptop-recipe", "too-small", "gain-just-enough",
+    "too-little-gain", "avx2-only"])
 def test_auto_dtype_is_bf16_where_cpu_matmuls_are_fast_and_large(monkeypatch, tmp_path, speedup, matmul, expected):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(runtime, "cpu_bf16_speedup", lambda rows, width: speedup)
@@ -336,6 +338,14 @@ def test_the_bf16_probe_is_measured_once_per_machine_and_shape_and_then_remember
     assert runtime.resolve_dtype("auto", cpu, (768, 128)) == first and first[0] == torch.bfloat16 and measured == [768]
     assert "3.00x" in first[1] and str(tmp_path / "gpt-char" / "probes.json") in first[1]
     assert runtime.resolve_dtype("auto", cpu, (1536, 128))[0] == torch.float32 and measured == [768, 1536]  # new shape
+
+
+def test_mfu_is_measured_against_the_peaks_of_the_gpus_named_and_not_of_their_other_variants(monkeypatch):
+    for name, peak in [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("NVIDIA H200 NVL", None),
+                       ("NVIDIA H200", 989.4e12), ("NVIDIA GeForce RTX 4090 D", None), ("Tesla T4", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert runtime.peak_flops(torch.device("cuda")) == peak, name
+    assert runtime.peak_flops(torch.device("cuda"), 2.5) == runtime.peak_flops(torch.device("cpu"), 2.5) == 2.5e12
 
 
 @pytest.mark.parametrize("kept, warm, steps, want", [(None, 0, 10**5, 0), (RUNS, 0, 10**5, 1), (RUNS, 0, 2000, 0),
@@ -385,6 +395,11 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     flops = GPT(cfg.model_config(len(set(TEXT)))).flops_per_token(cfg.block_size)
     assert summary["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3)
     assert summary["tokens_per_second"] * summary["train_seconds"] == pytest.approx(9 * 2 * 4 * 16)
+    log, marks = RunLog(cfg, 1, None, 0, False), [(1, .01), (3, .014), (5, .03)]  # 10, 2 and 8 ms a step
+    facts = {"params": 1, "device": "cpu", "dtype": "float32", "world_size": 1}
+    assert log.summary(facts, [], marks, 5, .03, final_val_loss=None)["ms_per_step_median"] == pytest.approx(8)
+    assert [format_duration(s) for s in (89, 90, 3725, 5400, 172799, 172800)] == ["89 s", "2 min", "62 min", "2 h",
+                                                                                "48 h", "2 days"]
 
 
 def test_the_training_clock_counts_a_stopped_runs_last_steps_but_not_the_duration_estimate(tmp_path, monkeypatch):
