@@ -192,6 +192,8 @@ def test_a_gpu_sized_config_on_a_cpu_shows_its_estimate_and_suggests_the_cpu_rec
     suggestion = re.search(r"^this is a GPU-sized run .*: python train.py (\S+)$", out, re.M)
     assert suggestion and Path(suggestion[1]).resolve() == CPU_FAST  # a path that works from the cwd
     assert out.index(suggestion[0]) < out.index("step 0: ")
+    code, out, _ = run(capsys, train, *argv_for(cfg.replace(out_dir=str(tmp_path / "fast")), CPU_FAST))
+    assert code == 0 and "duration on this machine: 5 h" in out and "GPU-sized" not in out  # it is the CPU recipe
 
 
 # --- what sample.py prints -----------------------------------------------------------------------------------------

@@ -176,6 +176,7 @@ def test_generation_past_block_size_reads_the_documented_windows(prompt_len, sli
     assert not torch.equal(want, greedy_over_windows(model, prompt, 40, 7 if slide != 7 else 2))  # control
     with pytest.raises(ValueError, match=r"slide must be an integer in \[1, block_size=12\]"):
         model.generate(prompt, 1, slide=13)
+    assert torch.equal(model.generate(prompt, 0), prompt)  # no new token: the prompt
 
 
 @pytest.mark.parametrize("slide, fed", [(4, [3] + [1] * 9 + ([9] + [1] * 3) * 5), (1, [3] + [1] * 9 + [12] * 20)])

@@ -212,14 +212,18 @@ def test_an_edit_of_the_rule_reaches_the_training_of_every_shipped_cpu_config_an
 
 def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
     (path := tmp_path / "c.toml").write_text('n_layer = 3\nlearning_rate = 1\ndataset = "x.txt"\n')
-    cfg = parse_args([str(path), "--n_layer=5", "--dropout", "0.1", "--bias", "--n_layer=4", "--min_lr=1"])
-    assert (cfg.n_layer, cfg.dropout, cfg.bias, cfg.dataset) == (4, 0.1, True, "x.txt")
+    cfg = parse_args([str(path), "--n_layer=5", "--dropout", "0.1", "--bias", "--n_layer=4", "--min_lr=1", "--compile",
+                      "--overwrite=1", "--exact_val=no"])  # a bare flag: a bool's true, or a choice's "true"
+    assert (cfg.n_layer, cfg.dropout, cfg.bias, cfg.dataset, cfg.compile, cfg.overwrite, cfg.exact_val) == (
+        4, 0.1, True, "x.txt", "true", True, False)
+    assert parse_args(["--max_iters=50", "--lr_decay_iters=50"]).warmup_iters == 100  # ends in its warmup: no decay
     assert cfg.learning_rate == 1.0 == cfg.min_lr and isinstance(cfg.learning_rate, float)  # TOML's 1; lr = min_lr: ok
 
 
 @pytest.mark.parametrize("override, match", [
     ("--n_embd=100", "n_embd=100 must be divisible by n_head=6"), ("--max_iters=0", "max_iters must be >= 1"),
     ("--learning_rate=0", "learning_rate must be > 0"), ("--attn_backend=flash", "not one of manual, sdpa"),
+    ("--learning_rate=nan", "learning_rate must be a finite number, got nan"),
     ("--beta2=1", "beta2 must be in [0, 1), got 1.0"), ("--min_lr=1", "min_lr=1.0 exceeds learning_rate"),
     ("--n_layer=four", "n_layer: 'four' is not a valid int"), ("--split=train", "applies to hf: datasets only"),
     ("--device=tpu", "device must be one of auto, cpu, cuda, cuda:N, mps, got 'tpu'"),
