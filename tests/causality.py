@@ -96,8 +96,7 @@ def describe(reads: Tensor, expected: Tensor, rule: str, exact: bool = True) -> 
 def judge(name: str, change: Tensor, expected: Tensor, rule: str, tol: float = 0.0, exact: bool = True) -> Check:
     """change (Tq, Tk) >= 0: how far query Tk - Tq + i moved when key j did. ok iff it moved by more than tol
     exactly where `expected` (the rule) allows, by at most tol elsewhere (not exact: only its own key need move)."""
-    change = change.double().cpu()
-    Tq, Tk = change.shape
+    change, (Tq, Tk) = change.double().cpu(), change.shape
     must = expected if exact else torch.eye(Tk, dtype=torch.bool)[Tk - Tq:]
     quiet, fired = _max(change[~expected]), change[must].min().item()
     return Check(name, quiet <= tol and fired > tol, quiet, fired, describe(change > tol, expected, rule, exact))
@@ -107,8 +106,7 @@ def judge_rows(name: str, change: Tensor, expected: Tensor, rule: str, exact: bo
     """judge() for each row of change and expected (B, T, T) (rows differ by documents); the first failure speaks."""
     checks = [judge(name, c, e, rule, exact=exact) for c, e in zip(change, expected, strict=True)]
     bad = next((b for b, c in enumerate(checks) if not c.ok), None)
-    differ = bool((expected != expected[:1]).any())
-    detail = "" if bad is None else checks[bad].detail + (f" (row {bad})" if differ else "")
+    detail = "" if bad is None else checks[bad].detail + (f" (row {bad})" if (expected != expected[:1]).any() else "")
     return Check(name, bad is None, max(c.quiet for c in checks), min(c.fired for c in checks), detail)
 
 
@@ -152,8 +150,7 @@ def test_tokens(model: GPT, B: int = 4, seed: int = 1, T: int | None = None) -> 
     """(B, T) random tokens, by default block_size of them, or 2 blocks for a model that runs past it (its rolling
     cache wraps again and again); with documents, separators at places that differ row by row."""
     x = random_tokens(B, T or model.config.block_size * (2 if model.endless else 1), model.config.vocab_size, seed)
-    sep = model.config.doc_sep
-    if sep is not None:
+    if (sep := model.config.doc_sep) is not None:
         x[x == sep] = (sep + 1) % model.config.vocab_size
         for b in range(B):
             x[b, [2 + b, 6 + b % 3]] = sep  # (position 0 may start mid-document: no separator needed)
@@ -176,8 +173,7 @@ def random_tokens(B: int, T: int, V: int, seed: int = 1) -> Tensor:
 
 def _change_at(x: Tensor, j: int, V: int, seed: int) -> Tensor:
     """x with the token at position j of every row replaced by a different token."""
-    y = x.clone()
-    shift = 1 + torch.randint(V - 1, (x.size(0),), generator=torch.Generator().manual_seed(seed))
+    y, shift = x.clone(), 1 + torch.randint(V - 1, (x.size(0),), generator=torch.Generator().manual_seed(seed))
     y[:, j] = (x[:, j] + shift.to(x.device)) % V
     return y
 
@@ -202,8 +198,7 @@ def _qkv(T: int, seed: int, D: int = 4, **kw) -> tuple[Tensor, Tensor, Tensor]:
 
 def check_attention_perturbation(window: int = 0, T: int = T_ATTENTION, seed: int = 0, scale: float = 100.0) -> Check:
     """Perturb q, k and v at one position j (x100): output i moves exactly where the rule lets i read j."""
-    q, k, v = _qkv(T, seed)
-    allowed = attn_lib.causal_mask(T, T, window=window)
+    (q, k, v), allowed = _qkv(T, seed), attn_lib.causal_mask(T, T, window=window)
     base, _ = attn_lib.attention(q, k, v, allowed)
     change = torch.zeros(T, T, dtype=torch.float64)  # change[i, j]: output i moved when position j did
     for j in range(T):
@@ -229,8 +224,7 @@ def check_attention_extreme_scores(scale: float = 1e150) -> Check:
     k[..., 0, 0] = -scale
     v = torch.randn(1, 1, T, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     _, w = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
-    quiet = _max(w[0, 0, 0, 1:])  # query 0's weight on future keys
-    fired = w[0, 0, 0, 0].item()  # its weight on its own key: must be all of it
+    quiet, fired = _max(w[0, 0, 0, 1:]), w[0, 0, 0, 0].item()  # query 0's weight on later keys, on its own (all of it)
     return Check("attention: extreme scores", quiet == 0.0 and fired == 1.0, quiet, fired,
                  "" if quiet == 0 else f"LEAK: query 0 gives weight {quiet:.3g} to a later key")
 
@@ -249,8 +243,7 @@ def check_attention_gradients(window: int = 0, T: int = T_ATTENTION, seed: int =
 
 def check_attention_half_precision(window: int = 0, T: int = T_ATTENTION, seed: int = 0) -> Check:
     """float16 and bfloat16 inputs: finite outputs close to float64, weights > 0 exactly where the rule allows."""
-    q, k, v = _qkv(T, seed, D=8)
-    allowed = attn_lib.causal_mask(T, T, window=window)
+    (q, k, v), allowed = _qkv(T, seed, D=8), attn_lib.causal_mask(T, T, window=window)
     ref, _ = attn_lib.attention(q, k, v, allowed)
     for dtype in (torch.float16, torch.bfloat16):
         out, w = attn_lib.attention(q.to(dtype), k.to(dtype), v.to(dtype), allowed)
@@ -269,8 +262,7 @@ def logits_by(model: GPT, x: Tensor, path: str) -> Tensor:
     the KV cache) or "decode" (one token at a time through it; past block_size for an endless model)."""
     if path == "forward":
         return model(x)[0]
-    cache = model.new_cache(x.size(0))
-    chunks = x.split(x.size(1) // 2 if path == "chunked prefill" else 1, dim=1)
+    cache, chunks = model.new_cache(x.size(0)), x.split(x.size(1) // 2 if path == "chunked prefill" else 1, dim=1)
     return torch.cat([model(chunk, cache=cache)[0] for chunk in chunks], dim=1)
 
 
@@ -347,8 +339,7 @@ def check_prefix_parity(model: GPT, x: Tensor, tol: float = 1e-9) -> Check:
         full, _ = model(x)
         errors = [_max(model(x[:, :t])[0] - full[:, :t]) for t in range(1, x.size(1) + 1)]
         # positive control: the last position really reads the furthest token the rule lets it reach
-        first = expected_reach(model, x)[0, -1].nonzero()[0].item()
-        other = _change_at(x, first, model.config.vocab_size, 9)
+        other = _change_at(x, expected_reach(model, x)[0, -1].nonzero()[0].item(), model.config.vocab_size, 9)
         fired = _max(model(other)[0][:, -1] - full[:, -1])
     bad = [t for t, e in enumerate(errors, 1) if e > tol]
     where = f"the first {bad[0]} tokens alone give other logits than in the full sequence" if bad else ""
@@ -482,8 +473,7 @@ def check_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray, seed:
 def check_exact_loss_is_next_token_cross_entropy(model: GPT, corpus: np.ndarray) -> Check:
     """training.exact_loss (every run's final_val_loss) is the mean CE of every corpus token after the first, given
     the tokens before it in its block_size window: recomputed window by window, not from the code's windows or shift."""
-    T, n = model.config.block_size, len(corpus)
-    tokens = torch.from_numpy(corpus.astype(np.int64))
+    T, n, tokens = model.config.block_size, len(corpus), torch.from_numpy(corpus.astype(np.int64))
     with torch.no_grad():
         def by_hand(shift: int) -> float:
             losses = []
@@ -564,10 +554,8 @@ def iter_checks() -> Iterator[Check]:
         for backend in ("manual", "sdpa"):
             m = leak_test_model(backend, **options)
             yield from model_checks(m, test_tokens(m))
-    for backend in ("manual", "sdpa"):
-        for window in WINDOWS:
-            yield run_check(f"model: dropout ({backend}, {rule_name(window)})", check_dropout_causality, backend,
-                            3, window)
+    yield from (run_check(f"model: dropout ({backend}, {rule_name(window)})", check_dropout_causality, backend, 3,
+                          window) for backend in ("manual", "sdpa") for window in WINDOWS)
 
 
 def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:

@@ -52,8 +52,7 @@ def substitute(monkeypatch, piece: str, replacement: Callable) -> None:
         return
     original = REAL[piece]
     for name, module in list(sys.modules.items()):
-        top = name.split(".")[0]
-        if top in ("model", "data", "training", "train", "sample", "causality") and \
+        if name.split(".")[0] in ("model", "data", "training", "train", "sample", "causality") and \
                 getattr(module, piece, None) is original:
             monkeypatch.setattr(module, piece, replacement)
 

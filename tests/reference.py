@@ -26,8 +26,7 @@ def declared_rule(q: int, k: int, window: int = 0, same_document: bool = True) -
 
 def rule_name(window: int = 0, documents: bool = False) -> str:
     """The declared rule, in words, for failure messages."""
-    name = f"attn_window={window}" if window else "the causal rule"
-    return name + (" within documents" if documents else "")
+    return (f"attn_window={window}" if window else "the causal rule") + (" within documents" if documents else "")
 
 
 def document_ids(tokens: list[int], sep: int) -> list[int]:
@@ -73,20 +72,17 @@ def _rotate(x: Tensor, start: int) -> Tensor:
 
 
 def _attention(x: Tensor, sd: dict[str, Tensor], p: str, cfg: dict, allowed: Tensor) -> Tensor:
-    B, T, C = x.shape
-    H = cfg["n_head"]
+    (B, T, C), H = x.shape, cfg["n_head"]
     D = C // H
     qkv = _linear(x, sd, f"{p}qkv")  # (B, T, 3C)
     q, k, v = (qkv[..., i * C:(i + 1) * C].reshape(B, T, H, D).transpose(1, 2) for i in range(3))
     if cfg["qk_norm"]:
-        eps = torch.finfo(torch.float64).eps
-        q, k = (t / torch.sqrt((t * t).mean(-1, keepdim=True) + eps) for t in (q, k))
+        q, k = (t / torch.sqrt((t * t).mean(-1, keepdim=True) + torch.finfo(torch.float64).eps) for t in (q, k))
     if cfg["pos_emb"] == "rope":
         q, k = _rotate(q, 0), _rotate(k, 0)
     scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, T, T)
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # allowed: (B, 1, T, T)
-    y = (weights @ v).transpose(1, 2).reshape(B, T, C)
-    return _linear(y, sd, f"{p}proj")
+    return _linear((weights @ v).transpose(1, 2).reshape(B, T, C), sd, f"{p}proj")  # heads merged in order
 
 
 def reference_forward(sd: dict[str, Tensor], cfg: dict, idx: Tensor) -> dict[str, Tensor]:
@@ -97,8 +93,7 @@ def reference_forward(sd: dict[str, Tensor], cfg: dict, idx: Tensor) -> dict[str
     x = sd["tok_emb.weight"][idx.cpu()]
     if cfg["pos_emb"] == "learned":
         x = x + sd["pos_emb.weight"][:T]
-    out = {"embedding": x}
-    sep, window = cfg.get("doc_sep"), cfg.get("attn_window", 0)
+    out, sep, window = {"embedding": x}, cfg.get("doc_sep"), cfg.get("attn_window", 0)
     allowed = torch.stack([rule_grid(T, T, window, None if sep is None else document_ids(row, sep))
                            for row in idx.tolist()])[:, None]  # (B, 1, T, T)
     for layer in range(cfg["n_layer"]):

@@ -46,8 +46,7 @@ def test_causal_and_padding_masks_combined_by_broadcasting_keep_weights_on_allow
 
 
 def test_a_query_that_may_read_no_key_or_more_queries_than_keys_are_refused():
-    q, k, v = qkv()
-    allowed = causal_mask(4, 4) & (torch.arange(4) != 2)[:, None]  # query 2 reads nothing
+    (q, k, v), allowed = qkv(), causal_mask(4, 4) & (torch.arange(4) != 2)[:, None]  # query 2 reads nothing
     with pytest.raises(ValueError, match="query 2 may read no key"):
         attention(q, k, v, allowed)
     assert torch.isnan(torch.softmax(torch.full((3,), float("-inf")), dim=-1)).all()  # what it prevents

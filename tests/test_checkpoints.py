@@ -62,8 +62,7 @@ def test_a_run_stopped_at_step_k_and_resumed_ends_bit_identical_to_an_uninterrup
     for key in ("model", "optimizers", "rng", "best_val_loss"):
         assert_same(a[key], b[key], key)
     curves = [[(h["step"], h["train_loss"], h["val_loss"]) for h in r["history"]] for r in (a, b, resumed)]  # no clocks
-    assert [s for s, _, _ in curves[0]] == [0, K, N]
-    assert curves[0] == curves[1] == curves[2]
+    assert [s for s, _, _ in curves[0]] == [0, K, N] and curves[0] == curves[1] == curves[2]
     assert whole["final_val_loss"] == resumed["final_val_loss"]
     out = shutil.copytree(folder / "stopped", tmp_path / "split")
     ckpt = load_checkpoint(out / CKPT_NAME)
@@ -116,10 +115,8 @@ def test_resume_trains_on_with_the_dropout_given_on_its_command_line(tmp_path):
 
 
 def test_the_state_dict_has_no_wrapper_prefixes_and_config_and_vocab_are_plain_data(pair):
-    folder = pair[0]
-    ckpt = load_checkpoint(folder / "split" / CKPT_NAME)
-    assert list(ckpt["model"]) == list(GPT(GPTConfig(**ckpt["model_config"])).state_dict())
-    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+    ckpt = load_checkpoint((folder := pair[0]) / "split" / CKPT_NAME)
+    assert list(ckpt["model"]) == list(GPT(GPTConfig(**ckpt["model_config"])).state_dict())  # no _orig_mod., module.
     assert ckpt["format"] == FORMAT
     for key in ("model_config", "config", "vocab", "step", "best_val_loss", "history"):  # plain data: JSON's
         assert json.loads(json.dumps(ckpt[key])) == ckpt[key], key
@@ -216,8 +213,7 @@ def test_the_same_copy_resumes_when_nothing_is_wrong(run_dir, capsys):
 # --- atomic writes ---------------------------------------------------------------------------
 @pytest.mark.parametrize("fault, target", [("write", "torch.save"), ("fsync", "os.fsync"), ("ctrl_c", "torch.save")])
 def test_a_failed_save_leaves_the_old_file_byte_identical_and_no_temp_file(tmp_path, monkeypatch, fault, target):
-    path = tmp_path / CKPT_NAME
-    save_checkpoint(path, {"step": 1})
+    save_checkpoint(path := tmp_path / CKPT_NAME, {"step": 1})
     old = path.read_bytes()
 
     def fail(*args, **kwargs):

@@ -263,11 +263,9 @@ def disk_fills(obj, f, *args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-STEP_7 = "loss is {} at step 7; stopped without saving anything from that step on: {{path}} is untouched"
-
-
 @pytest.mark.parametrize("fault, fields, says", [
-    *((loss_times(v, 4), dict(max_iters=20, log_interval=5, eval_interval=every), [STEP_7.format(v)])
+    *((loss_times(v, 4), dict(max_iters=20, log_interval=5, eval_interval=every),
+       [f"loss is {v} at step 7; stopped without saving anything from that step on: {{path}} is untouched"])
       for v in (NAN, INF) for every in (4, BIG)),
     (nan_weight, dict(max_iters=8), ["the model's weights are no longer finite; stopped without saving"]),
     (disk_fills, dict(max_iters=8), ["intact", "could not write checkpoint {path}: No space left on device; the "

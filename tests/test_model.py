@@ -235,5 +235,4 @@ def test_flops_per_token_is_six_per_weight_plus_the_attention_term():
     N = 17 * 16 + 2 * (16 + 16 * 48 + 16 * 16 + 16 + 16 * 64 + 64 * 16) + 16
     for pos_emb in ("learned", "rope"):
         model = GPT(GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=16, pos_emb=pos_emb))
-        assert model.flops_per_token() == 6 * N + 12 * 2 * 16 * 8
-        assert model.flops_per_token(4) == 6 * N + 12 * 2 * 16 * 4
+        assert (model.flops_per_token(), model.flops_per_token(4)) == (6 * N + 12 * 2 * 16 * 8, 6 * N + 12 * 2 * 16 * 4)

@@ -20,8 +20,7 @@ renormalised = lambda p, keep: [p[i] / sum(p[j] for j in keep) if i in keep else
 def reference_distribution(row: list[float], temperature: float, top_k: int | None, top_p: float | None) -> list[float]:
     """softmax(row / temperature); top_k keeps the k likeliest; top_p then keeps, of those renormalised, the
     smallest set (likeliest first) whose mass reaches top_p; what is kept is renormalised."""
-    top = max(row)
-    p = [math.exp((x - top) / temperature) for x in row]
+    p = [math.exp((x - max(row)) / temperature) for x in row]
     keep = sorted(range(len(row)), key=lambda i: -p[i])[:top_k or len(row)]
     if top_p is not None and top_p < 1:
         mass = sum(p[i] for i in keep)
@@ -78,8 +77,7 @@ def test_the_table_tells_the_orders_of_the_steps_apart():
                          ids=["greedy", "tiny-temperature", "top_k-1", "tiny-top_p"])
 def test_the_degenerate_settings_all_draw_the_argmax(options):
     """A tiny temperature would overflow float32 to inf (and the softmax to NaN) without the float64 shift."""
-    drawn = sample_next(ROWS, generator=torch.Generator().manual_seed(1), **options)
-    assert torch.equal(drawn[:, 0], ROWS.argmax(-1))
+    assert torch.equal(sample_next(ROWS, generator=torch.Generator().manual_seed(1), **options)[:, 0], ROWS.argmax(-1))
 
 
 @pytest.mark.parametrize("options, message", [

@@ -90,8 +90,7 @@ def test_float16_training_unscales_the_gradients_before_it_clips_them(tmp_path, 
     for dtype in ("float32", "float16"):
         train.train(tiny_config(tmp_path, out_dir=str(tmp_path / dtype), dtype=dtype, max_iters=4, grad_clip=0.05,
                                 optimizer=optimizer, **QUICK), verbose=False)
-    assert len(steps) == 8, "the scaler skipped steps (an overflow at its initial scale?)"
-    assert [s["norm"] for s in steps] == pytest.approx([0.05] * 8, rel=1e-3)
+    assert [s["norm"] for s in steps] == pytest.approx([0.05] * 8, rel=1e-3), "steps skipped (overflows?) or unclipped"
     assert clipped[4:] == pytest.approx(clipped[:4], rel=0.05), "float16 clipped other norms than float32"
 
 
@@ -284,15 +283,13 @@ def test_every_eval_of_a_run_reads_the_same_batches_so_its_estimates_compare(tmp
 def test_adamw_decays_only_2d_weights_and_muon_takes_the_block_matrices_each_parameter_once():
     model = C.leak_test_model("manual").float()
     for optimizer in ("adamw", "muon"):
-        cfg = TrainConfig(optimizer=optimizer, weight_decay=0.1)
-        optimizers = configure_optimizers(model, cfg)
+        optimizers = configure_optimizers(model, TrainConfig(optimizer=optimizer, weight_decay=0.1))
         held = [id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]]
         assert sorted(held) == sorted(id(p) for p in model.parameters())
         assert [g["weight_decay"] for g in optimizers[-1].param_groups] == [0.1, 0.0]  # the last is AdamW
         assert {p.dim() for p in optimizers[-1].param_groups[1]["params"]} == {1}
-        if optimizer == "muon":
-            assert {id(p) for p in optimizers[0].param_groups[0]["params"]} == \
-                {id(p) for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")}
+        assert optimizer == "adamw" or {id(p) for p in optimizers[0].param_groups[0]["params"]} == \
+            {id(p) for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")}
 
 
 def test_muon_steps_by_orthogonalised_nesterov_momentum_scaled_up_for_tall_matrices():
@@ -344,14 +341,6 @@ def test_the_bf16_probe_is_measured_once_per_machine_and_shape_and_then_remember
     assert runtime.resolve_dtype("auto", cpu, (1536, 128))[0] == torch.float32 and measured == [768, 1536]  # new shape
 
 
-def test_mfu_is_measured_against_the_peaks_of_the_gpus_named_and_not_of_their_other_variants(monkeypatch):
-    for name, peak in [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("NVIDIA H200 NVL", None),
-                       ("NVIDIA H200", 989.4e12), ("NVIDIA GeForce RTX 4090 D", None), ("Tesla T4", None)]:
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        assert runtime.peak_flops(torch.device("cuda")) == peak, name
-    assert runtime.peak_flops(torch.device("cuda"), 2.5) == runtime.peak_flops(torch.device("cpu"), 2.5) == 2.5e12
-
-
 @pytest.mark.parametrize("kept, warm, steps, want", [(None, 0, 10**5, 0), (RUNS, 0, 10**5, 1), (RUNS, 0, 2000, 0),
     (RUNS, 1, 2000, 1), ({**RUNS, "warm_s": 20.0}, 1, 2000, 0), ({**RUNS, "warm_s": 1.0}, 0, 2000, 0),
     ({"eager": 40.0, "compiled": 41.0, "cold_s": 1.0}, 1, 10**6, 0)], ids=["never-measured", "pays", "cold-too-dear",
@@ -387,9 +376,9 @@ def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choic
     assert summary["steps_this_run"] == 16 and json.loads((tmp_path / "auto" / "config.json").read_text())["compile"]
 
 
-def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, capsys):
+def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, capsys, monkeypatch):
     """The median ms/step (what compile='auto' weighs, with compile_seconds: none here) and the last line's MFU; the
-    tokens of 9 steps count each one's 2 micro-batches of 4 x 16."""
+    tokens of 9 steps count each one's 2 micro-batches of 4 x 16. MFU's peaks: of the GPUs named, not their variants."""
     cfg = tiny_config(tmp_path, max_iters=9, log_interval=2, peak_tflops=1.0, gradient_accumulation_steps=2, **QUICK)
     summary = train.train(cfg)
     lines = re.findall(r"step +(\d+) \|.*\| ([\d.]+) ms/step \| ([\d,]+) tok/s", capsys.readouterr().out)
@@ -399,6 +388,11 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     flops = GPT(cfg.model_config(len(set(TEXT)))).flops_per_token(cfg.block_size)
     assert summary["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3)
     assert summary["tokens_per_second"] * summary["train_seconds"] == pytest.approx(9 * 2 * 4 * 16)
+    for name, peak in [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("NVIDIA H200 NVL", None),
+                       ("NVIDIA H200", 989.4e12), ("NVIDIA GeForce RTX 4090 D", None), ("Tesla T4", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert runtime.peak_flops(torch.device("cuda")) == peak, name
+    assert runtime.peak_flops(torch.device("cuda"), 2.5) == runtime.peak_flops(torch.device("cpu"), 2.5) == 2.5e12
     log, marks = RunLog(cfg, 1, None, 0, False), [(1, .01), (3, .014), (5, .03)]  # 10, 2 and 8 ms a step
     facts = {"params": 1, "device": "cpu", "dtype": "float32", "world_size": 1}
     assert log.summary(facts, [], marks, 5, .03, final_val_loss=None)["ms_per_step_median"] == pytest.approx(8)
@@ -411,9 +405,6 @@ def test_the_training_clock_counts_a_stopped_runs_last_steps_but_not_the_duratio
     monkeypatch.setattr(train, "get_batch", lambda *a, real=train.get_batch, **k: time.sleep(0.05) or real(*a, **k))
     summary = ctrl_c_in_batch(9, tiny_config(tmp_path, max_iters=50, **QUICK))  # 9 steps, no eval after step 0's
     assert summary["steps"] == 9 and 0.4 < summary["train_seconds"] < 2, summary["train_seconds"]
-
-
-HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -430,7 +421,7 @@ def test_training_steps_between_log_steps_never_read_a_tensor_on_the_host(tmp_pa
                 reads.setdefault(current["step"], []).append(name)
             return real(self, *args, **kwargs)
         return read
-    for name in HOST_READS:
+    for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, recording(name, getattr(torch.Tensor, name)))
     train.train(tiny_config(tmp_path, optimizer=optimizer, max_iters=12, log_interval=4, gradient_accumulation_steps=2,
                             grad_clip=1.0, **QUICK), verbose=False)
