@@ -21,6 +21,12 @@ import torch
 
 from .checkpoint import write_json
 
+KEPT = "the run's own, from its checkpoint"  # why a resumed run keeps its dtype and compile
+# data-sheet dense bf16 FLOP/s; other GPUs get no MFU (unless --peak_tflops), not a guess
+PEAK_BF16_FLOPS = [(r"\bH200\b(?!.*\bNVL\b)", 989.4e12), (r"\bH100\b(?!.*\b(PCIe|NVL)\b)", 989.4e12),
+                   (r"\bA100\b", 312e12), (r"\bL40S\b", 362e12), (r"\bL4\b", 121e12), (r"\bA10G\b", 70e12),
+                   (r"\bRTX 4090\b(?!.*\b(D|Laptop)\b)", 165.2e12), (r"\bRTX 3090\b(?!.*\b(Ti|Laptop)\b)", 71e12)]
+
 
 def resolve_device(name: str) -> torch.device:
     """'auto' -> cuda, mps or cpu; a missing explicit device is an error."""
@@ -145,9 +151,6 @@ def bf16_pays(device: torch.device, rows: int, width: int, min_work: int = 2 ** 
     return speedup >= 1.5, f"bf16 {speedup:.2f}x float32 on this CPU, measured once: {where.as_posix()}"
 
 
-KEPT = "the run's own, from its checkpoint"
-
-
 def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int], kept: str | None = None
                   ) -> tuple[torch.dtype, str]:
     """'auto' -> the resumed run's `kept` dtype, else bfloat16 where bf16_pays for matmul = (batch_size * block_size,
@@ -158,12 +161,6 @@ def resolve_dtype(name: str, device: torch.device, matmul: tuple[int, int], kept
         pays, why = bf16_pays(device, *matmul)
         return (torch.bfloat16 if pays else torch.float32), f"auto: {why}"
     return getattr(torch, name), "as configured"
-
-
-# data-sheet dense bf16 FLOP/s; other GPUs get no MFU (unless --peak_tflops), not a guess
-PEAK_BF16_FLOPS = [(r"\bH200\b(?!.*\bNVL\b)", 989.4e12), (r"\bH100\b(?!.*\b(PCIe|NVL)\b)", 989.4e12),
-                   (r"\bA100\b", 312e12), (r"\bL40S\b", 362e12), (r"\bL4\b", 121e12), (r"\bA10G\b", 70e12),
-                   (r"\bRTX 4090\b(?!.*\b(D|Laptop)\b)", 165.2e12), (r"\bRTX 3090\b(?!.*\b(Ti|Laptop)\b)", 71e12)]
 
 
 def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
