@@ -314,13 +314,9 @@ def check_perturbation(model: GPT, x: Tensor, path: str = "forward", seed: int =
 
 def check_gradients(model: GPT, x: Tensor) -> Check:
     """d logits[:, t] / d input-embedding[:, s] is non-zero exactly where the rule's reach lets t read s."""
-    captured: list[Tensor] = []
-
-    def capture(_module, _inputs, output):
-        captured.append(output.detach().requires_grad_(True))
-        return captured[-1]
-
-    handle = model.tok_emb.register_forward_hook(capture)  # the token embeddings, as the blocks get them
+    captured: list[Tensor] = []  # the token embeddings, as the blocks get them, made a leaf to differentiate by
+    handle = model.tok_emb.register_forward_hook(lambda _m, _i, out: captured.append(out.detach().requires_grad_(True))
+                                                 or captured[-1])
     try:
         logits, _ = model(x)
     finally:
@@ -351,8 +347,7 @@ def check_dropout_causality(backend: str = "manual", seed: int = 3, attn_window:
     does not let reach j (dropout may zero a path, never open one). options: GPTConfig options."""
     model = leak_test_model(backend, dropout=0.3, attn_window=attn_window, **options).train()
     x = test_tokens(model, 3, seed)[:, :model.config.block_size]
-    T, V = x.size(1), model.config.vocab_size
-    variants = torch.stack([_change_at(x, j, V, seed + j) for j in range(T)])
+    variants = torch.stack([_change_at(x, j, model.config.vocab_size, seed + j) for j in range(x.size(1))])
 
     def run(tokens: Tensor, draw: int = seed) -> Tensor:
         torch.manual_seed(draw)

@@ -259,9 +259,8 @@ def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_k
     for resume in (True, False):  # --overwrite with --resume continues the run: its curves and summary stay
         prepare_run_folder(cfg.replace(overwrite=True, resume=resume), {})
         assert (out / "summary.json").exists() == resume == any(out.glob("events.out.tfevents.*"))
-    (solo := tmp_path / "solo").mkdir()  # a run that lost its config.json is still a run
-    shutil.copy(out / CKPT_NAME, solo)
-    assert run_folder(tiny_config(tmp_path, out_dir=str(solo)))[0] == tmp_path / "solo-2"
+    shutil.copytree(out, solo := tmp_path / "solo", ignore=lambda _, names: set(names) - {CKPT_NAME})  # ckpt.pt alone
+    assert run_folder(tiny_config(tmp_path, out_dir=str(solo)))[0] == tmp_path / "solo-2"  # is a run
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])

@@ -85,10 +85,16 @@ def test_an_accumulation_count_the_ranks_cannot_share_is_refused_with_the_next_m
         Dist(world_size=world).micro_steps(accum)
 
 
-def test_each_rank_and_restart_step_gets_its_own_seed_and_rank_zero_starts_at_the_seed():
+def test_each_rank_and_restart_step_gets_its_own_seed_and_a_resumed_rank_draws_from_it(run_dir, monkeypatch):
     assert Dist().seed(100) == Dist(world_size=4).seed(100, step=0) == 100
     seeds = [Dist(rank=r, world_size=4).seed(100, s) for r, s in itertools.product(range(4), range(50))]
     assert len(set(seeds)) == len(seeds)
+    cfg, drawn = run_dir[0].replace(gradient_accumulation_steps=2), []
+    monkeypatch.setattr(train, "init_distributed", lambda env, device: Dist(rank=1, world_size=2))
+    monkeypatch.setattr(train, "get_batch", lambda data, B, T, gen, device, real=train.get_batch:
+                        drawn.append(gen.initial_seed()) or real(data, B, T, gen, device))
+    train.train(cfg, verbose=False)
+    assert drawn and set(drawn) == {cfg.seed + 1 + 2 * 4}  # rank 1 of 2 at step 4: a checkpoint holds rank 0's RNG
 
 
 @pytest.mark.parametrize("device, message", [("cuda:1", "under torchrun each process uses cuda:LOCAL_RANK"),
