@@ -90,8 +90,7 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
         toml.write_bytes("# café\n".encode("latin1"))
         return argv_for(cfg, toml), [f"{toml} is not UTF-8 text: invalid byte 0xe9 at byte offset 5", "iconv"]
     if case == "missing device":  # cuda:N where N = the machine's count
-        n = torch.cuda.device_count()
-        return argv_for(cfg, device=f"cuda:{n}"), [f"device='cuda:{n}' but this machine has {n} cuda devices"]
+        return argv_for(cfg, device=f"cuda:{(n := torch.cuda.device_count())}"), [f"this machine has {n} cuda devices"]
     if case == "config is a folder":
         return argv_for(cfg, tmp), [f"config file {tmp}: cannot read it", "give a .toml file"]
     if case == "out_dir is a file":

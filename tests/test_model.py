@@ -12,6 +12,7 @@ from model import GPT, GPTConfig
 from model.attention import CausalSelfAttention, additive_mask, apply_rope, attention, causal_mask
 from model.gpt import rope_frequencies
 from reference import reference_forward
+from training.visualize import prompt_attention
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
@@ -106,6 +107,14 @@ def test_eval_mode_drops_nothing_on_any_path(backend):
             assert err < 1e-9, f"{path} ({backend}) in eval mode moved by {err:.3g}: dropout acted"
         trained.append(model.train()(x)[0])  # the positive control: in train mode, other logits for another seed
     assert (trained[0] - trained[1]).abs().max() > 1e-3
+
+
+def test_the_attention_maps_are_the_weights_each_layer_attends_with(monkeypatch):
+    model, used = C.leak_test_model("manual", **C.MODERN, attn_window=3, **C.DOCUMENTS), []
+    with monkeypatch.context() as m:  # the weights the forward itself attends with (rotary, qk-norm, window, documents)
+        m.setattr("model.attention.attention", lambda *a: used.append(attention(*a)[1][0].float()) or attention(*a))
+        model(torch.tensor([ids := C.test_tokens(model, 1)[0].tolist()]))
+    assert len(used) == 2 and all(torch.equal(a, b) for a, b in zip(prompt_attention(model, ids), used, strict=True))
 
 
 # --- the model's other contracts: config, init, loss, generation windows, rotary positions, FLOPs -------

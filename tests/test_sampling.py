@@ -73,7 +73,7 @@ def test_the_table_tells_the_orders_of_the_steps_apart():
                    for c in cells), wrong.__name__
 
 
-@pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=1e-300), dict(top_k=1), dict(top_p=1e-9)],
+@pytest.mark.parametrize("options", [dict(temperature=0), dict(temperature=1e-308), dict(top_k=1), dict(top_p=1e-9)],
                          ids=["greedy", "tiny-temperature", "top_k-1", "tiny-top_p"])
 def test_the_degenerate_settings_all_draw_the_argmax(options):
     """A tiny temperature would overflow float32 to inf (and the softmax to NaN) without the float64 shift."""

@@ -388,11 +388,9 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     flops = GPT(cfg.model_config(len(set(TEXT)))).flops_per_token(cfg.block_size)
     assert summary["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3)
     assert summary["tokens_per_second"] * summary["train_seconds"] == pytest.approx(9 * 2 * 4 * 16)
-    for name, peak in [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("NVIDIA H200 NVL", None),
-                       ("NVIDIA H200", 989.4e12), ("NVIDIA GeForce RTX 4090 D", None), ("Tesla T4", None)]:
+    for name, peak in [("H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("H200 NVL", None), ("T4", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert runtime.peak_flops(torch.device("cuda")) == peak, name
-    assert runtime.peak_flops(torch.device("cuda"), 2.5) == runtime.peak_flops(torch.device("cpu"), 2.5) == 2.5e12
     log, marks = RunLog(cfg, 1, None, 0, False), [(1, .01), (3, .014), (5, .03)]  # 10, 2 and 8 ms a step
     facts = {"params": 1, "device": "cpu", "dtype": "float32", "world_size": 1}
     assert log.summary(facts, [], marks, 5, .03, final_val_loss=None)["ms_per_step_median"] == pytest.approx(8)
