@@ -200,8 +200,7 @@ def test_a_checkpoint_that_cannot_be_continued_is_refused_before_out_dir_is_touc
 
 
 def test_the_same_copy_resumes_when_nothing_is_wrong(run_dir, capsys):
-    """Positive control of the refusals: the harness does see a resume's writes. Nor is a checkpoint from before
-    fields were added (their defaults) refused, or the attention backend, which computes the same."""
+    """Positive control of the refusals (the harness sees a resume's writes); an older checkpoint resumes, on sdpa."""
     cfg, out = run_dir
     ckpt, new = load_checkpoint(path := out / CKPT_NAME), ("pos_emb", "qk_norm", "attn_window", "doc_sep")
     torch.save({**ckpt, "model_config": {k: v for k, v in ckpt["model_config"].items() if k not in new}}, path)

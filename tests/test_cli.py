@@ -90,7 +90,7 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
         toml.write_bytes("# café\n".encode("latin1"))
         return argv_for(cfg, toml), [f"{toml} is not UTF-8 text: invalid byte 0xe9 at byte offset 5", "iconv"]
     if case == "missing device":  # cuda:N where N = the machine's count
-        return argv_for(cfg, device=f"cuda:{(n := torch.cuda.device_count())}"), [f"this machine has {n} cuda devices"]
+        return argv_for(cfg, device=f"cuda:{(n := torch.cuda.device_count())}"), [f"device='cuda:{n}'", f"has {n} cuda"]
     if case == "config is a folder":
         return argv_for(cfg, tmp), [f"config file {tmp}: cannot read it", "give a .toml file"]
     if case == "out_dir is a file":
@@ -99,12 +99,12 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
     if case == "doc_mask without documents":
         return argv_for(cfg, doc_mask=True), ["doc_mask=true needs documents", "--documents=lines"]
     if case == "non-UTF-8 corpus":
-        (tmp / "latin1.txt").write_bytes(TEXT.encode() * 5 + "café".encode("latin1"))
-        offset = len(TEXT.encode()) * 5 + 3
-        return argv_for(cfg, dataset=tmp / "latin1.txt"), [f"invalid byte 0xe9 at byte offset {offset}",
-                                                           f"iconv -f latin1 -t utf-8 {tmp / 'latin1.txt'}"]
+        (latin := tmp / "latin1.txt").write_bytes(TEXT.encode() * 5 + "café".encode("latin1"))
+        return argv_for(cfg, dataset=latin), [f"invalid byte 0xe9 at byte offset {len(TEXT.encode()) * 5 + 3}",
+                                              f"iconv -f latin1 -t utf-8 {latin}"]
     if case == "too big for memory":  # petabytes, more than any address space: refused at once
-        return argv_for(cfg, n_embd=10**14, n_head=1, dtype="float32"), ["memory (tried to", "bytes): make the run"]
+        return argv_for(cfg, n_embd=10**14, n_head=1, dtype="float32"), ["out of memory (tried to allocate",
+                                                                         "bytes): make the run smaller"]
     (tmp / "short.txt").write_text("abcdefghij" * 10)  # val: the last 10 tokens, one 9-token window
     return argv_for(cfg, dataset=tmp / "short.txt", block_size=10), ["val split", "block_size=10 needs at least 11",
                                                                      "--block_size=9 or less"]

@@ -102,7 +102,8 @@ def test_each_rank_and_restart_step_gets_its_own_seed_and_a_resumed_rank_draws_f
 def test_torchrun_refuses_a_fixed_cuda_index_and_mps_before_any_process_group(monkeypatch, device, message):
     """A plain run on the device is fine (resolve_device stands in for a machine that has it); under torchrun not."""
     monkeypatch.setattr("training.distributed.resolve_device", lambda name: torch.device(name))
-    assert init_distributed({"RANK": "1", "WORLD_SIZE": "2"}, device) == Dist(device=torch.device(device))  # not all 3
+    for partial in ({k: v for k, v in TORCHRUN.items() if k != name} for name in TORCHRUN):  # torchrun sets all 3
+        assert init_distributed(partial, device) == Dist(device=torch.device(device)), partial
     with pytest.raises(ValueError, match=message):
         init_distributed(TORCHRUN, device)
     assert not torch.distributed.is_initialized()

@@ -161,9 +161,9 @@ def test_sigterm_inside_an_evaluation_ends_the_run_at_once_saving_the_last_compl
         assert all(torch.equal(ckpt["model"][k], v) for k, v in init.items())
     monkeypatch.undo()  # and the cut run is not "finished": --resume completes it
     assert train.main(cli_args(cfg.replace(resume=True, eval_iters=2))) == 0
+    assert json.loads((out / "summary.json").read_text())["final_val_loss"] is not None
     (guard := RunGuard(out / CKPT_NAME, distributed=True, announce=False)).signum = signal.SIGTERM
     assert not guard.stopping()  # under torchrun an evaluation runs on: the other ranks wait in it
-    assert json.loads((out / "summary.json").read_text())["final_val_loss"] is not None
 
 
 @pytest.mark.parametrize("second", ["inside_the_step", "inside_the_final_save"])
