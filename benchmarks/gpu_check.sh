@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# One prepared script for a machine with a GPU: correctness on CUDA, the GPU training run on the
-# from-scratch attention and on sdpa side by side (same steps, same seed), the fast recipe, and the
-# KV-cache benchmarks (the rolling one too), with every figure written as JSON/text to one folder.
+# One prepared script for a machine with a GPU: correctness on CUDA, the fast recipe (its checkpoint
+# then checked for causality and sampled), the GPU training run on the from-scratch attention with sdpa's
+# step time beside it, the KV-cache benchmarks (the rolling one too) and the fast recipe with a sliding
+# window, most important first, with every figure written as JSON/text to one folder.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]            # the bundled Tiny Shakespeare, or SHAKESPEARE=FILE
+#   BUDGET_S=540 ...                                  # stop after 540 s, skipping what is left
 #   LONG=1 ...                                        # also the 3-minute best-val run (+4 min)
 #   DRY=1 bash benchmarks/gpu_check.sh [OUT_DIR]      # CPU, small sizes: checks the script works
 #
 # OUT_DIR defaults to $OUT (set by the device tool) or out/gpu_check. Needs PyTorch, numpy, tqdm,
 # tensorboard and pytest; no network (the corpus is corpora/tinyshakespeare.txt, or a synthetic one in
-# dry mode). Budget: under 10 minutes on one H100/H200 (four compiled runs: the 5000-step baseline
-# on each backend and the fast recipe with and without a window), about 14 with LONG=1.
+# dry mode).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-out/gpu_check}}
@@ -53,9 +54,23 @@ print(json.dumps(info, indent=2))
 EOF
 cat "$OUT_DIR/env.json" | tee -a "$LOG"
 
+# BUDGET_S: every command from here on stops once the script has run that long, and what is left is skipped;
+# the steps run most important first, so a short lease still brings back the CUDA tests and the fast run.
+DEADLINE=$((SECONDS + ${BUDGET_S:-100000}))
+exec 3>&1  # capped reports here, to the terminal and the log, whatever its command's output is redirected to
+capped() {  # COMMAND...: run it in the time left, or skip it
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -le 10 ]; then
+        echo "skipped (BUDGET_S spent): $*" | tee -a "$LOG" >&3
+        status=1
+        return 1
+    fi
+    timeout "$left" "$@" || { echo "failed or out of time (rc $?): $*" | tee -a "$LOG" >&3; status=1; return 1; }
+}
+
 step "attention equivalence and causality tests on $DEVICE"
-python -m pytest tests/test_attention.py tests/test_causality.py tests/test_model.py tests/test_training.py -q -p no:cacheprovider \
-    > "$OUT_DIR/tests.txt" 2>&1 || status=1
+capped python -m pytest tests/test_attention.py tests/test_causality.py tests/test_model.py tests/test_training.py -q \
+    -p no:cacheprovider > "$OUT_DIR/tests.txt" 2>&1
 tail -3 "$OUT_DIR/tests.txt" | tee -a "$LOG"
 
 train_run() {  # CONFIG NAME TARGET [--field=value ...]: one training run through bench.py, figures to NAME.json
@@ -67,16 +82,22 @@ train_run() {  # CONFIG NAME TARGET [--field=value ...]: one training run throug
         status=1
         return
     fi
-    python benchmarks/bench.py "$config" --dataset="$DATA" --device="$DEVICE" --out_dir="$OUT_DIR/run" --overwrite=true \
-        --target_val="$target" --json="$OUT_DIR/$name.json" "${TRAIN_ARGS[@]}" "$@" \
-        >> "$LOG" 2>&1 || status=1
+    capped python benchmarks/bench.py "$config" --dataset="$DATA" --device="$DEVICE" --out_dir="$OUT_DIR/run" \
+        --overwrite=true --target_val="$target" --json="$OUT_DIR/$name.json" "${TRAIN_ARGS[@]}" "$@" >> "$LOG" 2>&1
     grep -E '"(ms_per_step_median|tokens_per_second|train_seconds|mfu|final_val_loss)"' "$OUT_DIR/$name.json" \
         2>/dev/null | tee -a "$LOG"
 }
+train_run configs/shakespeare_char_fast.toml train_fast 1.47
+step "the fast run's checkpoint: the causality checks (float64, CPU), then a sample on $DEVICE"
+capped python tests/causality.py --ckpt "$OUT_DIR/run/ckpt.pt" > "$OUT_DIR/causality_ckpt.txt" 2>&1
+tail -3 "$OUT_DIR/causality_ckpt.txt" | tee -a "$LOG"
+capped python sample.py --out_dir="$OUT_DIR/run" --device="$DEVICE" --max_new_tokens=400 > "$OUT_DIR/sample.txt" 2>&1
+head -c 600 "$OUT_DIR/sample.txt" | tee -a "$LOG"
 train_run configs/shakespeare_char.toml train_manual 1.48  # the from-scratch attention: what every config trains
-train_run configs/shakespeare_char.toml train_sdpa 1.48 --attn_backend=sdpa
+# sdpa for its step time alone: 1000 steps give the median ms/step (its val is not comparable: fewer steps)
+train_run configs/shakespeare_char.toml train_sdpa 9 --attn_backend=sdpa $([ "${DRY:-0}" = "1" ] || echo --max_iters=1000)
 step "manual vs sdpa"
-python - "$OUT_DIR" <<'EOF' > "$OUT_DIR/manual_vs_sdpa.json" || status=1
+capped python - "$OUT_DIR" <<'EOF' > "$OUT_DIR/manual_vs_sdpa.json"
 import json, sys
 runs = {b: json.load(open(f"{sys.argv[1]}/train_{b}.json")) for b in ("manual", "sdpa")}
 out = {b: {k: r.get(k) for k in ("ms_per_step_median", "tokens_per_second", "mfu", "final_val_loss")}
@@ -85,21 +106,19 @@ out["manual_over_sdpa_step_time"] = runs["manual"]["ms_per_step_median"] / runs[
 print(json.dumps(out, indent=2))
 EOF
 cat "$OUT_DIR/manual_vs_sdpa.json" | tee -a "$LOG"
-train_run configs/shakespeare_char_fast.toml train_fast 1.47
+
+step "KV-cache benchmark on $DEVICE"
+capped python benchmarks/kv_cache.py --device="$DEVICE" --json="$OUT_DIR/kv_cache.json" "${KV_ARGS[@]}" >> "$LOG" 2>&1
+grep -E "per_second|speedup|identical" "$OUT_DIR/kv_cache.json" 2>/dev/null | tee -a "$LOG"
+step "rolling KV cache (attn_window=64, rotary) to 16 x block_size on $DEVICE"
+capped python benchmarks/kv_cache.py --device="$DEVICE" --window=64 --json="$OUT_DIR/kv_cache_rolling.json" \
+    $([ "${DRY:-0}" = "1" ] && echo --small) >> "$LOG" 2>&1
+grep -E "blocks|per_second|cache_bytes|identical" "$OUT_DIR/kv_cache_rolling.json" 2>/dev/null | tee -a "$LOG"
 train_run configs/shakespeare_char_fast.toml train_fast_window64 1.50 --attn_window=64  # a sliding window of 64 of 256
 if [ "${LONG:-0}" = "1" ]; then
     train_run configs/shakespeare_char_fast_3min.toml train_fast_3min 1.42
 fi
 
-step "KV-cache benchmark on $DEVICE"
-python benchmarks/kv_cache.py --device="$DEVICE" --json="$OUT_DIR/kv_cache.json" "${KV_ARGS[@]}" \
-    >> "$LOG" 2>&1 || status=1
-cat "$OUT_DIR/kv_cache.json" 2>/dev/null | grep -E "per_second|speedup|identical" | tee -a "$LOG"
-step "rolling KV cache (attn_window=64, rotary) to 16 x block_size on $DEVICE"
-python benchmarks/kv_cache.py --device="$DEVICE" --window=64 --json="$OUT_DIR/kv_cache_rolling.json" \
-    $([ "${DRY:-0}" = "1" ] && echo --small) >> "$LOG" 2>&1 || status=1
-grep -E "blocks|per_second|cache_bytes|identical" "$OUT_DIR/kv_cache_rolling.json" 2>/dev/null | tee -a "$LOG"
-
-rm -rf "$OUT_DIR/run"  # checkpoints and caches stay behind: only figures come back
+rm -rf "${OUT_DIR:?}/run"  # checkpoints and caches stay behind: only figures come back
 step "done (status $status); results in $OUT_DIR"
 exit $status
