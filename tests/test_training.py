@@ -27,9 +27,9 @@ from training.log import RunLog, format_duration
 from training.optim import Muon, orthogonalize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-# Measured differences from float64 on this model (3 seeds): bf16 <= 3.2e-5, fp16 <= 1e-5. A loss taken
-# from half-precision logits (the float32 cast dropped) misses by 3e-2 and 5e-3 (the control below).
-TOL = {torch.bfloat16: 5e-4, torch.float16: 1e-4}
+# Measured differences from float64 on this model (3 seeds): bf16 <= 3.2e-5 on a CPU, 6.5e-4 on an H200; fp16 <=
+# 1e-5, 6.5e-5. A loss of half-precision logits (no float32 cast) misses by 3e-2 and 4e-3 on the CPU (the control).
+TOL = {torch.bfloat16: 1.5e-3, torch.float16: 1e-4}
 V, T, N = 65, 32, 64  # N windows of T tokens
 QUICK = dict(exact_val=False, tensorboard=False, eval_interval=100)
 RUNS = {"eager": 44.0, "compiled": 33.0, "cold_s": 55.0}  # remembered ms/step of a shape, and its cold compile's s
