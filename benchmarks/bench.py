@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         "ms_per_step_median": summary["ms_per_step_median"],
         "ms_per_step_mean": 1000 * summary["train_seconds"] / max(1, summary["steps_this_run"]),
         "tokens_per_second": summary["tokens_per_second"],
-        "train_seconds": summary["train_seconds"],
+        "train_seconds": summary["train_seconds"],  # compiling included: compile_seconds of it
+        "compile_seconds": summary["compile_seconds"],
         "wall_seconds": time.perf_counter() - T_PROCESS,
         "peak_memory_mb": summary["peak_memory_mb"],
         "mfu": summary["mfu"],
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "best_val_loss": summary["best_val_loss"],
         "params": summary["params"],
         "interrupted": summary["interrupted"],
+        "history": summary["history"],  # per evaluation: step, estimates, seconds so far
     }
     if target is not None:
         result["target_val"] = target
