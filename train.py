@@ -399,7 +399,7 @@ def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
     if argv and not argv[0].startswith("--"):
         return argv, None
     kind = resolve_device(parse_args(argv).device).type
-    name, why = {"cuda": ("shakespeare_char.toml", "the baby GPT, for CUDA"),
+    name, why = {"cuda": ("shakespeare_char_fast.toml", "the fast GPU recipe, for CUDA"),
                  "mps": ("shakespeare_char_cpu.toml", "nanoGPT's laptop recipe, for MPS")}.get(
         kind, ("shakespeare_char_cpu_fast.toml", "the fast CPU recipe: no CUDA GPU here"))
     return [str(CONFIGS / name), *argv], f"no config given: training configs/{name}, {why} (pass a config to choose)"

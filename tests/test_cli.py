@@ -162,7 +162,7 @@ def test_without_a_config_the_cpu_recipe_trains_into_its_out_dir_and_says_so_fir
     assert "GPU-sized" not in out  # a run of seconds is not told to switch recipes
 
 
-@pytest.mark.parametrize("kind, recipe", [("cuda", "shakespeare_char.toml"), ("mps", "shakespeare_char_cpu.toml"),
+@pytest.mark.parametrize("kind, recipe", [("cuda", "shakespeare_char_fast.toml"), ("mps", "shakespeare_char_cpu.toml"),
                                           ("cpu", "shakespeare_char_cpu_fast.toml")])
 def test_without_a_config_each_device_gets_its_recipe_and_device_cpu_the_cpu_one(monkeypatch, kind, recipe):
     monkeypatch.setattr(train, "resolve_device", lambda d: torch.device(kind if d == "auto" else d))
