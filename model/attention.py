@@ -89,12 +89,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     return dropped @ v, weights  # (B, H, Tq, Dv), (B, H, Tq, Tk)
 
 
-def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
-    """Rotary positions: each channel pair of x (B, H, T, D), read as a complex number, times freqs (T, D/2)
-    complex, so q_m . k_n depends on m - n only. Returns x's shape and dtype."""
-    pairs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # complex needs float32/64
-    z = torch.view_as_complex(pairs.reshape(*x.shape[:-1], -1, 2))  # (B, H, T, D/2)
-    return torch.view_as_real(z * freqs).reshape(x.shape).to(x.dtype)
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotary positions: each channel pair (a, b) of x (B, H, T, D) turned by its angle, rope (T, D/2, 2) holding
+    (cos, sin), so q_m . k_n depends on m - n only. Returns x's shape and dtype."""
+    cos, sin = rope.unbind(-1)  # (T, D/2) each
+    a, b = (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x).unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2).to(x.dtype)  # real ops: compile fuses
 
 
 class KVCache:
@@ -172,7 +172,7 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: Tensor, mask: Tensor, rope: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
-        """x (B, T, C) -> (B, T, C). mask: additive (T, Tk) or (B, 1, T, Tk); rope: (T, D/2) rotations, None with a
+        """x (B, T, C) -> (B, T, C). mask: additive (T, Tk) or (B, 1, T, Tk); rope: (T, D/2, 2) cos, sin, None with a
         learned table; cache: see heads."""
         B, T, C = x.shape
         q, k, v = self.heads(x, rope, cache)

@@ -149,7 +149,7 @@ class GPT(nn.Module):
         rope = None
         if self.pos_emb is not None:
             x = x + self.pos_emb(q_pos)
-        else:  # not a buffer: Module.to(dtype) drops a complex buffer's imaginary part
+        else:  # from these positions (a cache's move on); float32 at least: angles grow with the position
             rope = rope_frequencies(q_pos, self.config.n_embd // self.config.n_head, dtype=x.dtype)
         x = F.dropout(x, self.config.dropout, self.training)
         docs = ()
@@ -215,11 +215,11 @@ class GPT(nn.Module):
 
 def rope_frequencies(positions: Tensor, head_dim: int, base: float = 10000.0,
                      dtype: torch.dtype = torch.float32) -> Tensor:
-    """e^(i p base^(-2i/D)) for positions p (T,), channel pairs i: (T, D/2) complex; float64 iff dtype is."""
+    """(cos, sin) of p base^(-2i/D) for positions p (T,), channel pairs i: (T, D/2, 2); float64 iff dtype is."""
     real = torch.float64 if dtype == torch.float64 else torch.float32
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=real, device=positions.device) / head_dim)
     angles = positions.to(real)[:, None] * inv_freq[None, :]  # (T, D/2)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack((angles.cos(), angles.sin()), -1)
 
 
 def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
