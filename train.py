@@ -81,6 +81,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     cfg = cfg.replace(out_dir=str(out_dir))
     dist = init_distributed(os.environ, cfg.device)
     guard = RunGuard(out_dir / checkpoint.CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         run = set_up(cfg, dist, guard, argv or [], verbose, t_start, moved)
         cfg = run.cfg  # with dtype and compile decided
@@ -106,6 +107,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     finally:
         guard.disarm()
         close_distributed(dist)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
 def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbose: bool, t_start: float,
@@ -129,6 +131,8 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     steps = cfg.max_iters - (ckpt or {}).get("step", 0)
     use_compile, compile_why = runtime.resolve_compile(cfg.compile, device, cfg, steps, kept.get("compile"))
     cfg = cfg.replace(compile=str(use_compile).lower())
+    if use_compile and device.type == "cpu":  # inductor's CPU embedding backward adds atomically, in any order
+        torch.use_deterministic_algorithms(True, warn_only=True)  # read as it compiles; train() restores it
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     # data (int32: half of int64), model, optimizers, resumed state
     splits = {name: torch.from_numpy(getattr(corpus, name).astype(np.int32)).to(device) for name in ("train", "val")}

@@ -79,8 +79,7 @@ def test_a_vocabulary_that_is_empty_repeats_or_is_not_single_characters_is_refus
 
 def test_65536_distinct_characters_fit_a_token_and_one_more_is_refused():
     codes = [c for c in range(0x11000) if not 0xD800 <= c <= 0xDFFF]  # no surrogates
-    text = "".join(map(chr, codes[:65536]))
-    corpus = encode_corpus(text, "wide")
+    corpus = encode_corpus(text := "".join(map(chr, codes[:65536])), "wide")
     assert corpus.tokenizer.vocab_size == 65536
     assert corpus.tokenizer.decode(np.concatenate([corpus.train, corpus.val])) == text
     with pytest.raises(ValueError, match="65,537 distinct characters"):

@@ -326,7 +326,6 @@ def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_
     assert f"interrupted by {name} after {n} steps: saved {out / CKPT_NAME} at step {n}" in said
     assert ckpt["step"] == n and ckpt["interrupted"] == name
     assert train.train(cfg.replace(resume=True, max_iters=M), verbose=False)["steps_this_run"] == M - n
-    resumed = load_checkpoint(out / CKPT_NAME)
-    assert resumed["step"] == straight["step"] == M
+    assert (resumed := load_checkpoint(out / CKPT_NAME))["step"] == straight["step"] == M
     for key, value in straight["model"].items():
         assert torch.equal(resumed["model"][key], value), key

@@ -191,8 +191,9 @@ def test_an_edit_of_the_rule_reaches_the_training_of_every_shipped_cpu_config_an
         cfg = parse_args([str(config), f"--dataset={random_corpus}", "--dtype=float32", "--batch_size=2",
                           "--max_iters=3", "--eval_interval=3", "--eval_iters=2", "--tensorboard=false",
                           "--exact_val=false", "--warmup_iters=1", "--lr_decay_iters=3"])
-    else:
-        monkeypatch.setattr(torch, "compile", EAGER)
+    else:  # traced only (inductor's kernels take 30 s), so what keeps its CPU atomic adds out is checked: the flag
+        monkeypatch.setattr(torch, "compile", lambda m: EAGER(m) if torch.are_deterministic_algorithms_enabled() else
+                            pytest.fail("compiled on a CPU without deterministic algorithms: runs would differ"))
         cfg = tiny_config(tmp_path, compile="true", max_iters=3, eval_interval=3, exact_val=False, tensorboard=False)
 
     def losses(name: str) -> list[float]:  # the train and val loss of every eval
@@ -200,6 +201,7 @@ def test_an_edit_of_the_rule_reaches_the_training_of_every_shipped_cpu_config_an
         return [h[k] for h in history for k in ("train_loss", "val_loss")]
     clean = losses("clean")
     assert losses("again") == clean, "two identical runs differ: training is not reproducible"
+    assert not torch.are_deterministic_algorithms_enabled(), "train() left deterministic algorithms on"
     substitute(monkeypatch, "visible", lambda q, k, *rest: REAL["visible"](q, k, *rest) & (k == q))
     if any(a == b for a, b in zip(clean, losses("own-key-only"), strict=True)):
         pytest.fail(f"{config.name} trains the same with model/attention.py:visible narrowed to each query's own key: "
