@@ -1,4 +1,4 @@
-"""Faults: SIGINT/SIGTERM between steps and inside evaluations, a second Ctrl-C, SIGKILL during saves, a non-finite
+"""Faults: SIGINT/SIGTERM/SIGHUP between steps and in evaluations, a second Ctrl-C, SIGKILL during saves, a non-finite
 loss or weight, a full disk. Signals from outside go to one `python train.py` (started with this module, so it boots
 meanwhile; checked last) and to forks of this process running train.main (torch imported: they start in ms). A signal
 at an exact moment comes from the model's own forward (patched before a fork, in the child too)."""
@@ -61,7 +61,7 @@ def fork_train():
         f = open(log, "w", buffering=1)
         for fd in (1, 2):
             os.dup2(f.fileno(), fd)
-        sys.stdout = sys.stderr = f
+        sys.stdout = sys.stderr = open(1, "w", buffering=1)  # through fd 1, as a terminal's (a hangup redirects fd 1)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         sys.exit(train.main(argv))
@@ -303,27 +303,27 @@ def straight(tmp_path_factory):
     return load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)
 
 
-@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_to_the_same_weights(
-        name, sigterm_run, straight, tmp_path, fork_train):
-    """SIGINT to a forked train.main, SIGTERM to `python train.py` from outside: exit 130 / 143, the step reached
-    saved and named, and a resume to step M gives the weights of an uninterrupted run."""
+        name, sigterm_run, straight, tmp_path, fork_train, monkeypatch):
+    """SIGINT or SIGHUP (its stdout a terminal, which goes) to a forked train.main, SIGTERM to `python train.py` from
+    outside: exit 128 + N, the step reached saved (named), and a resume to M gives an uninterrupted run's weights."""
     if name == "SIGTERM":
         cfg, done, log = sigterm_run
         rc = done.result(timeout=60)
     else:
         cfg, log = endless(tmp_path), tmp_path / "log.txt"
+        monkeypatch.setattr(os, "isatty", lambda fd: fd == 1 and name == "SIGHUP")  # the fork inherits it
         proc = fork_train(cli_args(cfg), log)
-        signal_at_step(proc.pid, proc.is_alive, log, signal.SIGINT)
-        proc.join(timeout=60)
-        rc = proc.exitcode
+        signal_at_step(proc.pid, proc.is_alive, log, signal.Signals[name])
+        rc = proc.join(timeout=60) or proc.exitcode
     out, said = Path(cfg.out_dir), log.read_text()
-    assert rc == {"SIGINT": 130, "SIGTERM": 143}[name], said
+    assert rc == 128 + signal.Signals[name], said
     summary, ckpt = json.loads((out / "summary.json").read_text()), load_checkpoint(out / CKPT_NAME)
-    n = summary["steps"]
-    assert summary["interrupted"] == name and 6 <= n < M and summary["final_val_loss"] is None
+    assert summary["interrupted"] == name and 6 <= (n := summary["steps"]) < M and summary["final_val_loss"] is None
     assert f"received {name}: stopping at the end of this step" in said
-    assert f"interrupted by {name} after {n} steps: saved {out / CKPT_NAME} at step {n}" in said
+    saved = f"interrupted by {name} after {n} steps: saved {out / CKPT_NAME} at step {n}"
+    assert (saved in said) != (name == "SIGHUP")  # a hung-up terminal's stdout goes to /dev/null: EIO stops no save
     assert ckpt["step"] == n and ckpt["interrupted"] == name
     assert train.train(cfg.replace(resume=True, max_iters=M), verbose=False)["steps_this_run"] == M - n
     assert (resumed := load_checkpoint(out / CKPT_NAME))["step"] == straight["step"] == M

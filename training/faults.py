@@ -1,4 +1,4 @@
-"""Stopping safely on SIGINT/SIGTERM: at the end of a step, saving; at a second signal, at once."""
+"""Stopping safely on SIGINT/SIGTERM/SIGHUP: at the end of a step, saving; at a second signal, at once."""
 
 import os
 import signal
@@ -15,9 +15,10 @@ class RunGuard:
         self._previous: dict[int, object] = {}
 
     def arm(self) -> None:
-        """Install SIGINT/SIGTERM handlers (main thread only)."""
+        """Install SIGINT/SIGTERM/SIGHUP handlers (main thread only)."""
+        self._ttys = [fd for fd in (1, 2) if os.isatty(fd)]  # asked now: a hung-up terminal is no tty
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def disarm(self) -> None:
@@ -31,6 +32,8 @@ class RunGuard:
             signal.raise_signal(signum)  # previous handler: KeyboardInterrupt for SIGINT
             return
         self.signum = signum
+        for fd in self._ttys if signum == signal.SIGHUP else ():  # a closed terminal: writes (EIO) would stop the save
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         if self.announce:  # os.write: print in a handler can raise "reentrant call"
             again = "Ctrl-C" if signum == signal.SIGINT else signal_name(signum)
             os.write(2, f"\nreceived {signal_name(signum)}: stopping at the end of this step and saving a "
