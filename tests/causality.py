@@ -140,10 +140,9 @@ DOCUMENTS = dict(doc_sep=0)  # token 0 separates documents
 
 def leak_test_model(backend: str = "manual", dropout: float = 0.0, seed: int = 0, **kw) -> GPT:
     """A float64 GPT with two layers (a leak can take two hops) and re-drawn weights, in eval mode."""
-    cfg = dict(vocab_size=13, block_size=10, n_layer=2, n_head=2, n_embd=16, bias=True,
-               attn_backend=backend, dropout=dropout)
+    cfg = dict(vocab_size=13, block_size=10, n_layer=2, n_head=2, n_embd=16, bias=True, attn_backend=backend)
     torch.manual_seed(seed)
-    return redraw_parameters_(GPT(GPTConfig(**{**cfg, **kw})).double(), seed).eval()
+    return redraw_parameters_(GPT(GPTConfig(**{**cfg, "dropout": dropout, **kw})).double(), seed).eval()
 
 
 def test_tokens(model: GPT, B: int = 4, seed: int = 1, T: int | None = None) -> Tensor:
@@ -499,16 +498,12 @@ def run_check(name: str, fn: Callable[..., Check], *args) -> Check:
     return check
 
 
-def model_tag(model: GPT) -> str:
-    c = model.config
-    modern = f", {c.pos_emb}, qk_norm={c.qk_norm}" if (c.pos_emb, c.qk_norm) != ("learned", False) else ""
-    window = f", attn_window={c.attn_window}" if c.attn_window else ""
-    return c.attn_backend + modern + window + (", documents" if c.doc_sep is not None else "")
-
-
 def model_checks(model: GPT, x: Tensor) -> Iterator[Check]:
     """The model-level checks that run on any model (random or trained), in float64; x: test_tokens(model)."""
-    tag = model_tag(model)
+    c = model.config  # the tag: the backend, then what differs from the defaults
+    modern = f", {c.pos_emb}, qk_norm={c.qk_norm}" if (c.pos_emb, c.qk_norm) != ("learned", False) else ""
+    window = f", attn_window={c.attn_window}" if c.attn_window else ""
+    tag = c.attn_backend + modern + window + (", documents" if c.doc_sep is not None else "")
     if model.config.attn_window:
         yield run_check(f"model: rolling cache ({tag})", check_rolling_cache, model, x)
     for path in ("forward", "chunked prefill", "decode"):

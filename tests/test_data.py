@@ -28,8 +28,7 @@ CORPUS = (TEXT * 25)[:2000]  # 1,800 / 100 / 100 characters, like the hub's tiny
 def test_the_bundled_corpus_is_tiny_shakespeare_split_as_in_nanogpt_and_a_tampered_copy_refused(tmp_path, monkeypatch):
     raw = (data.text.CORPORA / "tinyshakespeare.txt").read_bytes()
     assert len(raw) == 1_115_394 and hashlib.sha256(raw).hexdigest() == SHAKESPEARE_SHA256
-    text, _ = load_text("shakespeare_char")
-    assert text.encode("utf-8") == raw
+    assert (text := load_text("shakespeare_char")[0]).encode("utf-8") == raw
     corpus = encode_corpus(text, "shakespeare")
     tok, n = corpus.tokenizer, len(corpus.train)
     assert tok.vocab_size == 65 and (n, len(corpus.val)) == (1_003_854, 111_540)
@@ -47,8 +46,7 @@ def test_the_bundled_corpus_is_tiny_shakespeare_split_as_in_nanogpt_and_a_tamper
 
 @pytest.mark.parametrize("length, n_train", [(1000, 900), (1009, 908)])
 def test_the_split_is_the_first_90_percent_train_and_the_rest_val_with_no_gap_or_overlap(length, n_train):
-    text = "".join(chr(0x100 + i) for i in range(length))  # every position its own character
-    corpus = encode_corpus(text, "distinct")
+    corpus = encode_corpus(text := "".join(chr(0x100 + i) for i in range(length)), "distinct")  # each its own
     assert len(corpus.train) == n_train
     assert np.concatenate([corpus.train, corpus.val]).tolist() == corpus.tokenizer.encode(text)
     assert corpus.tokenizer.decode(corpus.val) == text[n_train:]
@@ -58,8 +56,7 @@ def test_the_tokenizer_round_trips_sorts_its_vocabulary_names_unknown_characters
     text = TEXT + "Äß€😀\t"  # beyond ASCII and beyond the BMP
     tok = encode_corpus(text, "t").tokenizer
     assert tok.chars == sorted(set(text)) and tok.decode(tok.encode(text)) == text
-    ids = tok.encode_array(text)
-    assert ids.dtype == np.uint16 and ids.tolist() == tok.encode(text)
+    assert (ids := tok.encode_array(text)).dtype == np.uint16 and ids.tolist() == tok.encode(text)
     assert tok.encode_array("").shape == (0,) and tok.encode("") == []
     assert CharTokenizer.from_dict(tok.to_dict()) == tok and CharTokenizer("ab") != CharTokenizer("ba")
     with pytest.raises(ValueError, match=r"not in the vocabulary: 'x', 'z'$"):

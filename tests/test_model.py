@@ -93,6 +93,15 @@ def test_the_output_projections_drop_at_rate_p_in_train_mode_only(module):
     assert torch.equal(sub.eval()(*args), seen[-1]), f"{module}: dropout acts in eval mode"
 
 
+def test_the_embeddings_drop_at_rate_p_in_train_mode():  # blocks[0] takes dropout(tok_emb + pos_emb)
+    model, idx, seen = GPT(tiny(n_embd=64, dropout=0.3)).train(), torch.randint(11, (8, 12)), []
+    model.blocks[0].register_forward_pre_hook(lambda _m, inputs: seen.append(inputs[0]))
+    model(idx)
+    emb, kept = model.tok_emb(idx) + model.pos_emb(torch.arange(12)), seen[0] != 0
+    assert abs(kept.double().mean().item() - 0.7) < 0.02, f"embeddings: kept {kept.double().mean():.3f}, not 0.7"
+    torch.testing.assert_close(seen[0][kept], emb[kept] / 0.7)
+
+
 @pytest.mark.parametrize("backend", ["manual", "sdpa"])
 @torch.no_grad()
 def test_eval_mode_drops_nothing_on_any_path(backend):

@@ -33,7 +33,8 @@ TOL = {torch.bfloat16: 1.5e-3, torch.float16: 1e-4}
 V, T, N = 65, 32, 64  # N windows of T tokens
 QUICK = dict(exact_val=False, tensorboard=False, eval_interval=100)
 RUNS = {"eager": 44.0, "compiled": 33.0, "cold_s": 55.0}  # remembered ms/step of a shape, and its cold compile's s
-EAGER = lambda model, real=torch.compile: real(model, backend="eager")  # torch.compile traced, no kernels built
+EAGER = lambda model, real=torch.compile: real(model, backend="eager") if torch.are_deterministic_algorithms_enabled() \
+    else pytest.fail("compiled on a CPU without deterministic algorithms: inductor's atomic adds make runs differ")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -191,9 +192,8 @@ def test_an_edit_of_the_rule_reaches_the_training_of_every_shipped_cpu_config_an
         cfg = parse_args([str(config), f"--dataset={random_corpus}", "--dtype=float32", "--batch_size=2",
                           "--max_iters=3", "--eval_interval=3", "--eval_iters=2", "--tensorboard=false",
                           "--exact_val=false", "--warmup_iters=1", "--lr_decay_iters=3"])
-    else:  # traced only (inductor's kernels take 30 s), so what keeps its CPU atomic adds out is checked: the flag
-        monkeypatch.setattr(torch, "compile", lambda m: EAGER(m) if torch.are_deterministic_algorithms_enabled() else
-                            pytest.fail("compiled on a CPU without deterministic algorithms: runs would differ"))
+    else:  # traced only (inductor's kernels take 30 s): EAGER checks the flag that keeps inductor's atomic adds out
+        monkeypatch.setattr(torch, "compile", EAGER)
         cfg = tiny_config(tmp_path, compile="true", max_iters=3, eval_interval=3, exact_val=False, tensorboard=False)
 
     def losses(name: str) -> list[float]:  # the train and val loss of every eval
