@@ -91,6 +91,7 @@ class RunLog:
         speed = f" ({s['ms_per_step_median']:.1f} ms/step, {s['tokens_per_second']:,.0f} tok/s)" \
             if s["ms_per_step_median"] and s["tokens_per_second"] else ""
         head = f"{'stopped' if interrupted else 'done'}: {s['steps']} steps in {format_duration(s['wall_seconds'])}"
+        head += f", {format_duration(s['compile_seconds'])} of it compiling" if s["compile_seconds"] >= 1 else ""
         losses = [f"exact val loss {s['final_val_loss']:.4f} ({s['final_val_bpc']:.3f} bpc)"] \
             if s["final_val_loss"] is not None else []
         losses += [f"best val estimate {s['best_val_loss']:.4f}"] if math.isfinite(s["best_val_loss"]) else []
