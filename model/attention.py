@@ -92,8 +92,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotary positions: each channel pair (a, b) of x (B, H, T, D) turned by its angle, rope (T, D/2, 2) holding
     (cos, sin), so q_m . k_n depends on m - n only. Returns x's shape and dtype."""
-    cos, sin = rope.unbind(-1)  # (T, D/2) each
-    a, b = (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x).unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = rope.unbind(-1)  # (T, D/2) each, float32 or float64: half-precision pairs are promoted
+    a, b = x.unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2).to(x.dtype)  # real ops: compile fuses
 
 
