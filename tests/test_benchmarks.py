@@ -33,9 +33,8 @@ def test_bench_trains_a_config_and_reports_its_figures(tmp_path, capsys):
     assert bench.main([f"--dataset={cfg.dataset}", "--device=cpu", "--n_layer=1", "--n_embd=16", "--n_head=2",
                        "--block_size=16", "--batch_size=4", "--max_iters=4", "--eval_interval=2", "--eval_iters=1",
                        "--target_val=100", f"--json={out}"]) == 0
-    figures = json.loads(out.read_text())
-    assert figures["ms_per_step_median"] > 0 and figures["final_val_loss"] > 0
-    assert figures["time_to_target"]["step"] == 0  # val 100 is reached at the first eval
+    assert (figures := json.loads(out.read_text()))["ms_per_step_median"] > 0 and figures["final_val_loss"] > 0
+    assert figures["time_to_target"]["step"] == 0 and [h["step"] for h in figures["history"]] == [0, 2, 4]  # at once
     assert not (tmp_path / "out").exists()  # it trained in a temporary directory
 
 

@@ -53,8 +53,7 @@ def test_two_ranks_end_with_the_weights_of_one_process_replaying_both_ranks_batc
     assert gap(replayed, ddp) < 1e-5
     assert torch.equal(ddp["rng"]["batch"], streams[0].get_state())  # the checkpoint holds rank 0's stream
     monkeypatch.undo()
-    _, alone = one_process(tmp_path, monkeypatch, "alone", None)
-    assert gap(alone, ddp) > 1e-3
+    assert gap(one_process(tmp_path, monkeypatch, "alone", None)[1], ddp) > 1e-3
     assert not torch.distributed.is_initialized()  # a plain run never creates a process group
 
 
@@ -98,10 +97,12 @@ def test_each_rank_and_restart_step_gets_its_own_seed_and_a_resumed_rank_draws_f
 
 
 @pytest.mark.parametrize("device, message", [("cuda:1", "under torchrun each process uses cuda:LOCAL_RANK"),
-                                             ("mps", "device='mps' cannot run distributed")])
-def test_torchrun_refuses_a_fixed_cuda_index_and_mps_before_any_process_group(monkeypatch, device, message):
-    """A plain run on the device is fine (resolve_device stands in for a machine that has it); under torchrun not."""
+                                             ("mps", "device='mps' cannot run distributed"),
+                                             ("cuda", "LOCAL_RANK=1 but this machine has 1 CUDA devices")])
+def test_torchrun_refuses_a_cuda_index_mps_or_more_ranks_than_gpus_before_a_process_group(monkeypatch, device, message):
+    """A plain run is fine (resolve_device, device_count stand in for a one-GPU machine); under torchrun not."""
     monkeypatch.setattr("training.distributed.resolve_device", lambda name: torch.device(name))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # LOCAL_RANK 1 needs a second GPU
     for partial in ({k: v for k, v in TORCHRUN.items() if k != name} for name in TORCHRUN):  # torchrun sets all 3
         assert init_distributed(partial, device) == Dist(device=torch.device(device)), partial
     with pytest.raises(ValueError, match=message):

@@ -298,7 +298,7 @@ def test_muon_steps_by_orthogonalised_nesterov_momentum_scaled_up_for_tall_matri
     """Three steps against the rule written out: m = beta m + (1 - beta) g, u = (1 - beta) g + beta m,
     change = -lr sqrt(max(1, rows / cols)) orthogonalize(u) (with m = 0 one step would only rescale g)."""
     g = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((48, 16), (16, 48))]  # tall, wide
+    params = [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((48, 16), (48, 16), (16, 48))]
     lr, beta = 0.1, 0.9
     opt, momentum = Muon(params, lr=lr, momentum=beta, ns_dtype=torch.float32), [torch.zeros_like(p) for p in params]
     for _ in range(3):
