@@ -11,7 +11,7 @@
 #
 # OUT_DIR defaults to $OUT (set by the device tool) or out/gpu_check. Needs PyTorch, numpy, tqdm,
 # tensorboard and pytest; no network (the corpus is corpora/tinyshakespeare.txt, or a synthetic one in
-# dry mode).
+# dry mode). On one H200 the whole script took 520 s (2026-12-04, the fast recipe then 2500 steps, now 1200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-out/gpu_check}}
