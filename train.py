@@ -325,8 +325,8 @@ def log_progress(run: Run, step: int, loss: Tensor, lr: float, grad_norm: Tensor
                 f"{1000 * (seconds - seconds_before) / (run.steps - steps_before):.1f} ms/step | {tok_s:,.0f} tok/s")
         if out.interactive:
             out.bar.set_postfix_str(text, refresh=False)
-        elif out.enabled:
-            print(f"step {step:6d} | {text}", flush=True)
+        else:
+            out.line(f"step {step:6d} | {text}")
         scalars |= {"loss/train": loss_f, "speed/tokens_per_second": tok_s}
         if mfu is not None:
             scalars["speed/mfu"] = mfu

@@ -1,4 +1,4 @@
-"""Faults: SIGINT/SIGTERM/SIGHUP between steps and in evaluations, a second Ctrl-C, SIGKILL during saves, a non-finite
+"""Faults: SIGINT/TERM/HUP/PIPE between steps and in evaluations, a second Ctrl-C, SIGKILL during saves, a non-finite
 loss or weight, a full disk. Signals from outside go to one `python train.py` (started with this module, so it boots
 meanwhile; checked last) and to forks of this process running train.main (torch imported: they start in ms). A signal
 at an exact moment comes from the model's own forward (patched before a fork, in the child too)."""
@@ -303,16 +303,24 @@ def straight(tmp_path_factory):
     return load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)
 
 
-@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGHUP", "SIGPIPE"])
 def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_to_the_same_weights(
         name, sigterm_run, straight, tmp_path, fork_train, monkeypatch):
-    """SIGINT or SIGHUP (its stdout a terminal, which goes: no line reaches it after) to a forked train.main, SIGTERM
-    to `python train.py`: exit 128 + N, the step reached saved (named), a resume to M the uninterrupted weights."""
+    """SIGINT or SIGHUP (its stdout a terminal, which goes) to a forked train.main; SIGTERM, or SIGPIPE (stdout's
+    reader gone), to `python train.py`: exit 128 + N, its step saved; resumed to M: the uninterrupted weights."""
+    cfg, done, log = sigterm_run if name == "SIGTERM" else (endless(tmp_path), None, tmp_path / "log.txt")
     if name == "SIGTERM":
-        cfg, done, log = sigterm_run
         rc = done.result(timeout=60)
+    elif name == "SIGPIPE":  # `python train.py 2>log | head`: head exits after step 6 (stderr no tty: lines on stdout)
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, "train.py", *cli_args(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=f, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            next(line for line in proc.stdout if line.startswith(b"step      6 |"))  # then head exits
+            rc = proc.stdout.close() or proc.wait(timeout=60)
+        finally:
+            proc.kill()  # a no-op unless a failure left it running
     else:
-        cfg, log = endless(tmp_path), tmp_path / "log.txt"
         monkeypatch.setattr(os, "isatty", lambda fd: fd == 1 and name == "SIGHUP")  # the fork inherits it
         proc = fork_train(cli_args(cfg), log)
         signal_at_step(proc.pid, proc.is_alive, log, signal.Signals[name])
@@ -322,7 +330,8 @@ def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_
     summary, ckpt = json.loads((out / "summary.json").read_text()), load_checkpoint(out / CKPT_NAME)
     assert summary["interrupted"] == name and 6 <= (n := summary["steps"]) < M and summary["final_val_loss"] is None
     assert f"received {name}: stopping at the end of this step" in said
-    assert (f"interrupted by {name} after {n} steps: saved {out / CKPT_NAME} at step {n}" in said) != (name == "SIGHUP")
+    saved = f"interrupted by {name} after {n} steps: saved {out / CKPT_NAME} at step {n}"
+    assert (saved in said) == (name in ("SIGINT", "SIGTERM"))  # after SIGHUP or SIGPIPE stdout reaches no one
     assert ckpt["step"] == n and ckpt["interrupted"] == name
     assert train.train(cfg.replace(resume=True, max_iters=M), verbose=False)["steps_this_run"] == M - n
     assert (resumed := load_checkpoint(out / CKPT_NAME))["step"] == straight["step"] == M

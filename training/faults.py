@@ -1,5 +1,6 @@
-"""Stopping safely on SIGINT/SIGTERM/SIGHUP: at the end of a step, saving; at a second signal, at once."""
+"""Stopping safely on SIGINT/SIGTERM/SIGHUP/SIGPIPE: at the end of a step, saving; at a second signal, at once."""
 
+import contextlib
 import os
 import signal
 import threading
@@ -15,10 +16,10 @@ class RunGuard:
         self._previous: dict[int, object] = {}
 
     def arm(self) -> None:
-        """Install SIGINT/SIGTERM/SIGHUP handlers (main thread only)."""
+        """Install SIGINT/SIGTERM/SIGHUP/SIGPIPE handlers (main thread only)."""
         self._ttys = [fd for fd in (1, 2) if os.isatty(fd)]  # asked now: a hung-up terminal is no tty
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):  # SIGPIPE: stdout's reader gone
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def disarm(self) -> None:
@@ -34,10 +35,12 @@ class RunGuard:
         self.signum = signum
         for fd in self._ttys if signum == signal.SIGHUP else ():  # a closed terminal: writes (EIO) would stop the save
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
-        if self.announce:  # os.write: print in a handler can raise "reentrant call"
-            again = "Ctrl-C" if signum == signal.SIGINT else signal_name(signum)
-            os.write(2, f"\nreceived {signal_name(signum)}: stopping at the end of this step and saving a "
-                        f"checkpoint ({again} again to exit at once)\n".encode())
+        if self.announce:  # os.write: print in a handler can raise "reentrant call"; stderr may be the lost pipe
+            name = signal_name(signum)
+            again = {signal.SIGINT: "Ctrl-C again", signal.SIGPIPE: "Ctrl-C"}.get(signum, f"{name} again")
+            with contextlib.suppress(OSError):
+                os.write(2, f"\nreceived {name}: stopping at the end of this step and saving a "
+                            f"checkpoint ({again} to exit at once)\n".encode())
 
     def stopping(self) -> bool:
         """A signal arrived (polled in evals; distributed runs finish them: the ranks wait)."""

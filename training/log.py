@@ -1,6 +1,7 @@
 """One output path: lines above the progress bar, TensorBoard (scalars, HParams), summary.json.
 TensorBoard tags are grouped loss/, maps/, optim/, speed/: its alphabetical order opens on the losses."""
 
+import contextlib
 import itertools
 import math
 import sys
@@ -61,7 +62,8 @@ class RunLog:
         if self.interactive:
             self.bar.write(text, file=sys.stderr)
         elif self.enabled:
-            print(text, flush=True)
+            with contextlib.suppress(BrokenPipeError):  # a reader gone (| head): its SIGPIPE stops the run, saving
+                print(text, flush=True)
 
     def speed(self, steps: int, seconds: float) -> tuple[float, float | None]:
         """Tokens/s of `steps` steps in `seconds`, and its MFU (0..1; None without a peak)."""
