@@ -53,13 +53,11 @@ def reach(grid: Tensor, n_layer: int) -> Tensor:
 def _layer_norm(x: Tensor, sd: dict[str, Tensor], name: str) -> Tensor:
     mean = x.mean(-1, keepdim=True)
     var = ((x - mean) ** 2).mean(-1, keepdim=True)
-    y = (x - mean) / torch.sqrt(var + 1e-5) * sd[f"{name}.weight"]
-    return y + sd[f"{name}.bias"] if f"{name}.bias" in sd else y
+    return (x - mean) / torch.sqrt(var + 1e-5) * sd[f"{name}.weight"] + sd.get(f"{name}.bias", 0.0)
 
 
 def _linear(x: Tensor, sd: dict[str, Tensor], name: str) -> Tensor:
-    y = x @ sd[f"{name}.weight"].T
-    return y + sd[f"{name}.bias"] if f"{name}.bias" in sd else y
+    return x @ sd[f"{name}.weight"].T + sd.get(f"{name}.bias", 0.0)
 
 
 def _rotate(x: Tensor, start: int) -> Tensor:

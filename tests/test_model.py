@@ -243,8 +243,7 @@ def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention
     want = model.float()(idx)[0]
     for dtype in (torch.bfloat16, torch.float16):  # and runs in half precision without autocast, cache included
         half = copy.deepcopy(model).to(dtype)
-        logits = half(idx)[0]
-        assert logits.dtype == dtype and (logits.float() - want).abs().max() < 0.05, dtype
+        assert (logits := half(idx)[0]).dtype == dtype and (logits.float() - want).abs().max() < 0.05, dtype
         assert half.generate(idx[:, :3], 5).shape == (2, 8)
 
 

@@ -57,8 +57,7 @@ def test_losses_under_autocast_match_float64(device, dtype):
                        **{f"{k} estimate": v for k, v in estimates.items()}}
     assert loss.dtype == torch.float32, "the loss must come out of autocast in float32"
     for name, want in found[False].items():
-        got = found[True][name]
-        assert abs(got - want) < TOL[dtype], f"{dtype} {name} {got:.6f} vs float64 {want:.6f}"
+        assert abs((got := found[True][name]) - want) < TOL[dtype], f"{dtype} {name} {got:.6f} vs float64 {want:.6f}"
     wrong = F.cross_entropy(logits.reshape(-1, V), Y.reshape(-1), reduction="sum").item() / Y.numel()  # no float32
     assert device != "cpu" or (logits.dtype == dtype and abs(wrong - found[False]["loss of all N windows"])
                                > 10 * TOL[dtype]), "positive control: a loss of half-precision logits passes TOL"
