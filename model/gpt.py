@@ -149,7 +149,7 @@ class GPT(nn.Module):
         rope = None
         if self.pos_emb is not None:
             x = x + self.pos_emb(q_pos)
-        else:  # from these positions (a cache's move on); float32 at least: angles grow with the position
+        else:  # per call, from q_pos (a cache moves it on); float32 at least: angles grow with the position
             rope = rope_frequencies(q_pos, self.config.n_embd // self.config.n_head, dtype=x.dtype)
         x = F.dropout(x, self.config.dropout, self.training)
         docs = ()

@@ -34,6 +34,8 @@ endless = lambda folder, **overrides: tiny_config(folder, **{**dict(  # a run on
     exact_val=False), **overrides})
 text = lambda log: log.read_text() if log.exists() else ""  # a forked child creates its log
 temp_files = lambda out: {p.name for p in out.glob(f".{CKPT_NAME}.*.tmp")}  # of write_atomic
+train_py = lambda cfg, **streams: subprocess.Popen([sys.executable, "train.py", *cli_args(cfg)], cwd=ROOT,
+                                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, **streams)
 
 
 def wait_for(condition, what: str, log: Path | None = None, timeout: float = 60.0) -> None:
@@ -82,8 +84,7 @@ def sigterm_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("SIGTERM")
     cfg, log = endless(folder), folder / "log.txt"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "train.py", *cli_args(cfg)], cwd=ROOT, stdout=f, stderr=f,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = train_py(cfg, stdout=f, stderr=f)
     with ThreadPoolExecutor(1) as pool:
         alive = lambda: proc.poll() is None
         done = pool.submit(lambda: signal_at_step(proc.pid, alive, log, signal.SIGTERM) or proc.wait(timeout=60))
@@ -313,18 +314,19 @@ def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_
         rc = done.result(timeout=60)
     elif name == "SIGPIPE":  # `python train.py 2>log | head`: head exits after step 6 (stderr no tty: lines on stdout)
         with open(log, "w") as f:
-            proc = subprocess.Popen([sys.executable, "train.py", *cli_args(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
-                                    stderr=f, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            proc = train_py(cfg, stdout=subprocess.PIPE, stderr=f)
         try:
-            next(line for line in proc.stdout if line.startswith(b"step      6 |"))  # then head exits
-            rc = proc.stdout.close() or proc.wait(timeout=60)
+            next(line for line in proc.stdout if line.startswith(b"step      6 |"))
+            proc.stdout.close()  # head exits
+            rc = proc.wait(timeout=60)
         finally:
             proc.kill()  # a no-op unless a failure left it running
     else:
         monkeypatch.setattr(os, "isatty", lambda fd: fd == 1 and name == "SIGHUP")  # the fork inherits it
         proc = fork_train(cli_args(cfg), log)
         signal_at_step(proc.pid, proc.is_alive, log, signal.Signals[name])
-        rc = proc.join(timeout=60) or proc.exitcode
+        proc.join(timeout=60)
+        rc = proc.exitcode
     out, said = Path(cfg.out_dir), log.read_text()
     assert rc == 128 + signal.Signals[name], said
     summary, ckpt = json.loads((out / "summary.json").read_text()), load_checkpoint(out / CKPT_NAME)

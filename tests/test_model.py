@@ -237,8 +237,8 @@ def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention
     x, mask = torch.randn(2, 6, 32, dtype=torch.float64), additive_mask(causal_mask(6, 6), torch.float64)
     torch.testing.assert_close(attn(x, mask, freqs[20:26]), attn(x, mask, freqs[:6]), rtol=0, atol=1e-12)
     assert (attn(x, mask) - attn(x, mask, freqs[:6])).abs().max() > 1e-2  # and the rotation does act
-    half = rope_frequencies(far := torch.arange(4000, 4096), 8, dtype=torch.bfloat16)  # angles never in half precision
-    assert torch.equal(half, rope_frequencies(far, 8)), "rotary angles computed in the model's half precision"
+    in_bf16 = rope_frequencies(far := torch.arange(4000, 4096), 8, dtype=torch.bfloat16)  # angles in float32 still
+    assert torch.equal(in_bf16, rope_frequencies(far, 8)), "rotary angles computed in the model's half precision"
     model, idx = GPT(tiny(pos_emb="rope")).eval(), torch.randint(11, (2, 12))
     want = model.float()(idx)[0]
     for dtype in (torch.bfloat16, torch.float16):  # and runs in half precision without autocast, cache included
