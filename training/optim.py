@@ -9,15 +9,15 @@ from .runtime import bf16_pays
 
 def orthogonalize(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """~U V^T of G = U S V^T (singular values ~[0.7, 1.2]) by quintic Newton-Schulz; G: (..., rows, cols)."""
-    X = G.to(dtype)
+    X = G.to(dtype).reshape(-1, *G.shape[-2:])  # (n, rows, cols): baddbmm takes 3-D
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # singular values <= 1 to converge
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT  # wide side: X @ X^T is the smaller Gram matrix
-    for _ in range(5):
+    for _ in range(5):  # X <- 3.4445 X + (-4.7750 A + 2.0315 A^2) X, A = X X^T: fused, as kernel launches bound it on a GPU
         A = X @ X.mT
-        X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
-    return (X.mT if tall else X).to(G.dtype)
+        X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=-4.7750, alpha=2.0315), X, beta=3.4445)
+    return (X.mT if tall else X).reshape(G.shape).to(G.dtype)
 
 
 class Muon(torch.optim.Optimizer):
@@ -35,15 +35,14 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     by_shape.setdefault(p.shape, []).append(p)
-            for (rows, cols), params in by_shape.items():
+            for (rows, cols), params in by_shape.items():  # foreach: a few launches, not a few per matrix
                 for p in params:
                     if "momentum" not in self.state[p]:  # not setdefault: it would allocate zeros every step
                         self.state[p]["momentum"] = torch.zeros_like(p)
-                    self.state[p]["momentum"].lerp_(p.grad, 1 - beta)
-                updates = torch.stack([p.grad.lerp(self.state[p]["momentum"], beta) for p in params])  # Nesterov
-                for p, u in zip(params, orthogonalize(updates, dtype=self.ns_dtype), strict=True):
-                    p.add_(u, alpha=-lr * max(1.0, rows / cols) ** 0.5)  # tall: smaller entries
-
+                grads, moms = [p.grad for p in params], [self.state[p]["momentum"] for p in params]
+                torch._foreach_lerp_(moms, grads, 1 - beta)
+                updates = orthogonalize(torch.stack(torch._foreach_lerp(grads, moms, beta)), self.ns_dtype)  # Nesterov
+                torch._foreach_add_(params, updates.unbind(), alpha=-lr * max(1.0, rows / cols) ** 0.5)  # tall: smaller
 
 def configure_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
     """AdamW (decay on 2-D weights only), and Muon for the blocks' matrices if chosen; lr = peak lr."""
