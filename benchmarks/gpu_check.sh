@@ -6,7 +6,10 @@
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]            # the bundled Tiny Shakespeare, or SHAKESPEARE=FILE
 #   BUDGET_S=540 ...                                  # stop after 540 s, skipping what is left
-#   LONG=1 ...                                        # also the 3-minute best-val run (+4 min)
+#   PARTS="tests fast" ...                            # only these parts, of: tests fast baby kv window nanogpt long
+#   NANOGPT=PATH ...                                  # with part nanogpt: side by side with a prepared nanoGPT
+#                                                     # checkout (benchmarks/vs_nanogpt.py --gpu, ~5 min)
+#   LONG=1 ...                                        # also the 3-minute best-val run (part long, +4 min)
 #   DRY=1 bash benchmarks/gpu_check.sh [OUT_DIR]      # CPU, small sizes: checks the script works
 #
 # OUT_DIR defaults to $OUT (set by the device tool) or out/gpu_check. Needs PyTorch, numpy, tqdm,
@@ -21,6 +24,8 @@ LOG="$OUT_DIR/log.txt"
 export PYTHONUNBUFFERED=1
 status=0
 step() { echo "== $*" | tee -a "$LOG"; }
+PARTS=${PARTS:-"tests fast baby kv window $([ -n "${NANOGPT:-}" ] && echo nanogpt) $([ "${LONG:-0}" = "1" ] && echo long)"}
+want() { [[ " $PARTS " == *" $1 "* ]]; }  # PART: is it to run?
 
 if [ "${DRY:-0}" = "1" ]; then
     DEVICE=cpu
@@ -68,10 +73,12 @@ capped() {  # COMMAND...: run it in the time left, or skip it
     timeout "$left" "$@" || { echo "failed or out of time (rc $?): $*" | tee -a "$LOG" >&3; status=1; return 1; }
 }
 
-step "attention equivalence and causality tests on $DEVICE"
-capped python -m pytest tests/test_attention.py tests/test_causality.py tests/test_model.py tests/test_training.py -q \
-    -p no:cacheprovider > "$OUT_DIR/tests.txt" 2>&1
-tail -3 "$OUT_DIR/tests.txt" | tee -a "$LOG"
+if want tests; then
+    step "attention equivalence and causality tests on $DEVICE"
+    capped python -m pytest tests/test_attention.py tests/test_causality.py tests/test_model.py tests/test_training.py -q \
+        -p no:cacheprovider > "$OUT_DIR/tests.txt" 2>&1
+    tail -3 "$OUT_DIR/tests.txt" | tee -a "$LOG"
+fi
 
 train_run() {  # CONFIG NAME TARGET [--field=value ...]: one training run through bench.py, figures to NAME.json
     local config=$1 name=$2 target=$3
@@ -87,17 +94,27 @@ train_run() {  # CONFIG NAME TARGET [--field=value ...]: one training run throug
     grep -E '"(ms_per_step_median|tokens_per_second|train_seconds|mfu|final_val_loss)"' "$OUT_DIR/$name.json" \
         2>/dev/null | tee -a "$LOG"
 }
-train_run configs/shakespeare_char_fast.toml train_fast 1.47
-step "the fast run's checkpoint: the causality checks (float64, CPU), then a sample on $DEVICE"
-capped python tests/causality.py --ckpt "$OUT_DIR/run/ckpt.pt" > "$OUT_DIR/causality_ckpt.txt" 2>&1
-tail -3 "$OUT_DIR/causality_ckpt.txt" | tee -a "$LOG"
-capped python sample.py --out_dir="$OUT_DIR/run" --device="$DEVICE" --max_new_tokens=400 > "$OUT_DIR/sample.txt" 2>&1
-head -c 600 "$OUT_DIR/sample.txt" | tee -a "$LOG"
-train_run configs/shakespeare_char.toml train_manual 1.48  # the from-scratch attention: what every config trains
-# sdpa for its step time alone: 1000 steps give the median ms/step (its val is not comparable: fewer steps)
-train_run configs/shakespeare_char.toml train_sdpa 9 --attn_backend=sdpa $([ "${DRY:-0}" = "1" ] || echo --max_iters=1000)
-step "manual vs sdpa"
-capped python - "$OUT_DIR" <<'EOF' > "$OUT_DIR/manual_vs_sdpa.json"
+if want fast; then
+    train_run configs/shakespeare_char_fast.toml train_fast 1.47
+    step "the fast run's checkpoint: the causality checks (float64, CPU), then a sample on $DEVICE"
+    capped python tests/causality.py --ckpt "$OUT_DIR/run/ckpt.pt" > "$OUT_DIR/causality_ckpt.txt" 2>&1
+    tail -3 "$OUT_DIR/causality_ckpt.txt" | tee -a "$LOG"
+    capped python sample.py --out_dir="$OUT_DIR/run" --device="$DEVICE" --max_new_tokens=400 > "$OUT_DIR/sample.txt" 2>&1
+    head -c 600 "$OUT_DIR/sample.txt" | tee -a "$LOG"
+fi
+if want nanogpt; then  # nanoGPT's GPU command, our baby GPT and our fast recipe, each compiled warm
+    step "side by side with nanoGPT ($NANOGPT) on $DEVICE"
+    capped python benchmarks/vs_nanogpt.py --gpu --nanogpt="$NANOGPT" --dataset="$DATA" --rounds=1 \
+        --ours configs/shakespeare_char.toml configs/shakespeare_char_fast.toml --json="$OUT_DIR/vs_nanogpt_gpu.json" \
+        > "$OUT_DIR/vs_nanogpt_gpu.txt" 2>&1
+    tail -30 "$OUT_DIR/vs_nanogpt_gpu.txt" | tee -a "$LOG"
+fi
+if want baby; then
+    train_run configs/shakespeare_char.toml train_manual 1.48  # the from-scratch attention: what every config trains
+    # sdpa for its step time alone: 1000 steps give the median ms/step (its val is not comparable: fewer steps)
+    train_run configs/shakespeare_char.toml train_sdpa 9 --attn_backend=sdpa $([ "${DRY:-0}" = "1" ] || echo --max_iters=1000)
+    step "manual vs sdpa"
+    capped python - "$OUT_DIR" <<'EOF' > "$OUT_DIR/manual_vs_sdpa.json"
 import json, sys
 runs = {b: json.load(open(f"{sys.argv[1]}/train_{b}.json")) for b in ("manual", "sdpa")}
 out = {b: {k: r.get(k) for k in ("ms_per_step_median", "tokens_per_second", "mfu", "final_val_loss")}
@@ -105,17 +122,21 @@ out = {b: {k: r.get(k) for k in ("ms_per_step_median", "tokens_per_second", "mfu
 out["manual_over_sdpa_step_time"] = runs["manual"]["ms_per_step_median"] / runs["sdpa"]["ms_per_step_median"]
 print(json.dumps(out, indent=2))
 EOF
-cat "$OUT_DIR/manual_vs_sdpa.json" | tee -a "$LOG"
-
-step "KV-cache benchmark on $DEVICE"
-capped python benchmarks/kv_cache.py --device="$DEVICE" --json="$OUT_DIR/kv_cache.json" "${KV_ARGS[@]}" >> "$LOG" 2>&1
-grep -E "per_second|speedup|identical" "$OUT_DIR/kv_cache.json" 2>/dev/null | tee -a "$LOG"
-step "rolling KV cache (attn_window=64, rotary) to 16 x block_size on $DEVICE"
-capped python benchmarks/kv_cache.py --device="$DEVICE" --window=64 --json="$OUT_DIR/kv_cache_rolling.json" \
-    $([ "${DRY:-0}" = "1" ] && echo --small) >> "$LOG" 2>&1
-grep -E "blocks|per_second|cache_bytes|identical" "$OUT_DIR/kv_cache_rolling.json" 2>/dev/null | tee -a "$LOG"
-train_run configs/shakespeare_char_fast.toml train_fast_window64 1.50 --attn_window=64  # a sliding window of 64 of 256
-if [ "${LONG:-0}" = "1" ]; then
+    cat "$OUT_DIR/manual_vs_sdpa.json" | tee -a "$LOG"
+fi
+if want kv; then
+    step "KV-cache benchmark on $DEVICE"
+    capped python benchmarks/kv_cache.py --device="$DEVICE" --json="$OUT_DIR/kv_cache.json" "${KV_ARGS[@]}" >> "$LOG" 2>&1
+    grep -E "per_second|speedup|identical" "$OUT_DIR/kv_cache.json" 2>/dev/null | tee -a "$LOG"
+    step "rolling KV cache (attn_window=64, rotary) to 16 x block_size on $DEVICE"
+    capped python benchmarks/kv_cache.py --device="$DEVICE" --window=64 --json="$OUT_DIR/kv_cache_rolling.json" \
+        $([ "${DRY:-0}" = "1" ] && echo --small) >> "$LOG" 2>&1
+    grep -E "blocks|per_second|cache_bytes|identical" "$OUT_DIR/kv_cache_rolling.json" 2>/dev/null | tee -a "$LOG"
+fi
+if want window; then
+    train_run configs/shakespeare_char_fast.toml train_fast_window64 1.50 --attn_window=64  # a window of 64 of 256
+fi
+if want long; then
     train_run configs/shakespeare_char_fast_3min.toml train_fast_3min 1.42
 fi
 

@@ -2,7 +2,7 @@
 
     python benchmarks/vs_nanogpt.py --nanogpt=PATH --dataset=PATH/input.txt [--rounds=2] [--json=FILE]
         [--ours configs/shakespeare_char_cpu.toml "configs/shakespeare_char_cpu.toml --attn_backend=sdpa" ...]
-        [--ours_args="--field=value ..."]
+        [--ours_args="--field=value ..."] [--gpu]
 
 PATH is a nanoGPT checkout whose data/shakespeare_char/ has been prepared (its prepare.py, run on
 the same input.txt). Nothing of nanoGPT is part of this project: this script only runs it, with
@@ -12,11 +12,15 @@ the command its README gives for a laptop:
         --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128
         --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0
 
+or, with --gpu, its GPU command (`python train.py config/train_shakespeare_char.py`: the baby GPT,
+compiled, bf16) against `configs/shakespeare_char.toml` by default; both compile once in a warm-up
+first, so every timed run finds its compile cache warm.
+
 Every program runs as a fresh process, in turn (nanoGPT, then each of our configs, then again), so
 drift in the machine's speed hits all alike. Reported per run: whole-process wall seconds, median ms per
 training step (nanoGPT's per-iteration log lines; our per-step log), peak RSS of the process, and
-the final val loss (nanoGPT's 20-batch estimate at step 2000; ours exact over the whole split, and
-our estimate at step 2000 too).
+the final and best val loss (nanoGPT's estimates over 20 batches, 200 on the GPU; ours exact over the
+whole split, and our estimates too).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NANOGPT_CMD = ("train.py config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=20 "
                "--log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 "
                "--max_iters=2000 --lr_decay_iters=2000 --dropout=0.0")
+NANOGPT_GPU_CMD = "train.py config/train_shakespeare_char.py"
 
 
 def timed(cmd: list[str], cwd: Path, log: Path) -> tuple[float, float, int]:
@@ -51,19 +56,22 @@ def timed(cmd: list[str], cwd: Path, log: Path) -> tuple[float, float, int]:
     return wall, usage.ru_maxrss * rss_unit / 2**20, proc.returncode
 
 
-def run_nanogpt(path: Path, tmp: Path, extra: tuple[str, ...] = ()) -> dict:
-    """Run nanoGPT's laptop command from its checkout at `path` (output under tmp, `extra` overrides
-    last); returns its wall time, peak RSS, ms/step and final val estimate, parsed from its log."""
+def run_nanogpt(path: Path, tmp: Path, extra: tuple[str, ...] = (), gpu: bool = False) -> dict:
+    """Run nanoGPT's laptop (or GPU) command from its checkout at `path` (output under tmp, `extra` overrides
+    last); returns its wall time, peak RSS, ms/step and final and best val estimates, parsed from its log."""
     log = tmp / "nanogpt.log"
-    wall, rss, rc = timed([sys.executable, *NANOGPT_CMD.split(), f"--out_dir={tmp / 'nanogpt_out'}", *extra], path, log)
+    cmd = [sys.executable, *(NANOGPT_GPU_CMD if gpu else NANOGPT_CMD).split(), f"--out_dir={tmp / 'nanogpt_out'}"]
+    wall, rss, rc = timed([*cmd, *extra], path, log)
     text = log.read_text()
     if rc != 0:
         raise RuntimeError(f"nanoGPT failed:\n{text[-2000:]}")
     iters = [(int(i), float(ms)) for i, ms in re.findall(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", text, re.M)]
     evals = re.findall(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)", text, re.M)
-    return {"program": "nanoGPT", "dtype": "float32", "wall_seconds": wall, "peak_rss_mb": rss,  # CPU: no autocast
+    return {"program": "nanoGPT", "dtype": "bfloat16" if gpu else "float32",  # its autocast is CUDA-only
+            "wall_seconds": wall, "peak_rss_mb": rss,
             "ms_per_step_median": statistics.median(ms for i, ms in iters if i >= 10),
-            "val_loss_estimate": float(evals[-1][2]), "final_step": int(evals[-1][0])}
+            "val_loss_estimate": float(evals[-1][2]), "best_val_estimate": min(float(e[2]) for e in evals),
+            "final_step": int(evals[-1][0])}
 
 
 def run_ours(config: str, extra: list[str], dataset: str, tmp: Path) -> dict:
@@ -78,6 +86,7 @@ def run_ours(config: str, extra: list[str], dataset: str, tmp: Path) -> dict:
     dtype = json.loads((out / "config.json").read_text())["dtype"]  # what dtype=auto chose on this machine
     return {"program": f"ours:{config}", "dtype": dtype, "wall_seconds": wall, "peak_rss_mb": rss,
             "ms_per_step_median": s["ms_per_step_median"], "val_loss_estimate": s["last_val_estimate"],
+            "best_val_estimate": s["best_val_loss"],
             "final_val_loss_exact": s["final_val_loss"], "final_step": s["steps"]}
 
 
@@ -88,14 +97,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="a nanoGPT checkout whose data/shakespeare_char/ is prepared (prepare.py run)")
     p.add_argument("--dataset", required=True, help="the same text, input.txt, for our runs")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of every program; medians reported")
-    p.add_argument("--ours", nargs="+", default=["configs/shakespeare_char_cpu.toml"],
-                   help="our config(s) to run against nanoGPT, each optionally with its own overrides")
+    p.add_argument("--gpu", action="store_true", help="nanoGPT's GPU command against our GPU config")
+    p.add_argument("--ours", nargs="+", default=None,
+                   help="our config(s) to run against nanoGPT, each optionally with its own overrides "
+                        "(default: shakespeare_char_cpu.toml, or shakespeare_char.toml with --gpu)")
     p.add_argument("--ours_args", default="", help="extra --field=value overrides for our run")
     p.add_argument("--json", default=None, help="also write every run and the medians here")
     p.add_argument("--max_iters", type=int, default=None,
                    help="stop both programs after this many steps (the schedule stays the recipe's): more, "
                         "shorter rounds, for step times on a machine whose speed drifts")
     args = p.parse_args(argv)
+    args.ours = args.ours or [f"configs/shakespeare_char{'' if args.gpu else '_cpu'}.toml"]
     if not (args.nanogpt / "train.py").is_file():
         p.error(f"--nanogpt={args.nanogpt}: no nanoGPT train.py there")
     if not Path(args.dataset).is_file():
@@ -109,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         # warm up: the first process after a while pays for cold file caches
         first, *own = shlex.split(args.ours[0])
         run_ours(first, extra + own + ["--max_iters=5", "--exact_val=false"], args.dataset, tmp)
+        if args.gpu:  # and nanoGPT's compile, so that neither program's timed runs compile cold
+            run_nanogpt(args.nanogpt, tmp, ("--max_iters=10", "--eval_iters=2"), gpu=True)
         for r in range(args.rounds):
-            jobs = [lambda: run_nanogpt(args.nanogpt, tmp, short)]
+            jobs = [lambda: run_nanogpt(args.nanogpt, tmp, short, args.gpu)]
             # an entry is a config and its own overrides: "configs/x.toml --attn_backend=sdpa"
             jobs += [lambda c=c: {**run_ours(shlex.split(c)[0], extra + shlex.split(c)[1:], args.dataset, tmp),
                                   "program": f"ours:{c}"} for c in args.ours]
@@ -127,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {"machine": os.uname().machine, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
                "runs": runs, "nanoGPT": {k: med("nanoGPT", k) for k in ("wall_seconds", "ms_per_step_median",
-                                                                        "peak_rss_mb", "val_loss_estimate")}}
+                                                                        "peak_rss_mb", "val_loss_estimate",
+                                                                        "best_val_estimate")}}
     for c in args.ours:
         prog = f"ours:{c}"
         summary[prog] = {
@@ -137,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             "ms_per_step_median": med(prog, "ms_per_step_median"),
             "peak_rss_mb": med(prog, "peak_rss_mb"),
             "final_val_loss_exact": med(prog, "final_val_loss_exact"),
+            "best_val_estimate": med(prog, "best_val_estimate"),
         }
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
     if args.json:

@@ -14,7 +14,7 @@ def orthogonalize(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT  # wide side: X @ X^T is the smaller Gram matrix
-    for _ in range(5):  # X <- 3.4445 X + (-4.7750 A + 2.0315 A^2) X, A = X X^T: fused, as kernel launches bound it on a GPU
+    for _ in range(5):  # X <- 3.4445 X + (-4.7750 A + 2.0315 A^2) X, A = X X^T, fused: launches bound it on a GPU
         A = X @ X.mT
         X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=-4.7750, alpha=2.0315), X, beta=3.4445)
     return (X.mT if tall else X).reshape(G.shape).to(G.dtype)
