@@ -6,10 +6,9 @@
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]            # the bundled Tiny Shakespeare, or SHAKESPEARE=FILE
 #   BUDGET_S=540 ...                                  # stop after 540 s, skipping what is left
-#   PARTS="tests fast" ...                            # only these parts, of: tests fast baby kv window nanogpt long
+#   PARTS="tests fast" ...                            # only these parts, of: tests fast baby kv window nanogpt signals
 #   NANOGPT=PATH ...                                  # with part nanogpt: side by side with a prepared nanoGPT
 #                                                     # checkout (benchmarks/vs_nanogpt.py --gpu, ~5 min)
-#   LONG=1 ...                                        # also the 3-minute best-val run (part long, +4 min)
 #   DRY=1 bash benchmarks/gpu_check.sh [OUT_DIR]      # CPU, small sizes: checks the script works
 #
 # OUT_DIR defaults to $OUT (set by the device tool) or out/gpu_check. Needs PyTorch, numpy, tqdm,
@@ -24,7 +23,7 @@ LOG="$OUT_DIR/log.txt"
 export PYTHONUNBUFFERED=1
 status=0
 step() { echo "== $*" | tee -a "$LOG"; }
-PARTS=${PARTS:-"tests fast baby kv window $([ -n "${NANOGPT:-}" ] && echo nanogpt) $([ "${LONG:-0}" = "1" ] && echo long)"}
+PARTS=${PARTS:-"tests fast baby kv window $([ -n "${NANOGPT:-}" ] && echo nanogpt) signals"}
 want() { [[ " $PARTS " == *" $1 "* ]]; }  # PART: is it to run?
 
 if [ "${DRY:-0}" = "1" ]; then
@@ -136,10 +135,20 @@ fi
 if want window; then
     train_run configs/shakespeare_char_fast.toml train_fast_window64 1.50 --attn_window=64  # a window of 64 of 256
 fi
-if want long; then
-    train_run configs/shakespeare_char_fast_3min.toml train_fast_3min 1.42
+if want signals; then  # on an H200 a compiled run stopped by timeout's SIGTERM once died saving nothing, unexplained
+    step "one SIGTERM to a compiled run on $DEVICE: it must save (ckpt.pt, summary.json) and exit 143"
+    python train.py configs/shakespeare_char_fast.toml --dataset="$DATA" --device="$DEVICE" --out_dir="$OUT_DIR/sig" \
+        --overwrite=true "${TRAIN_ARGS[@]}" --max_iters=100000 > "$OUT_DIR/signals.txt" 2>&1 &
+    pid=$!
+    sleep "$([ "${DRY:-0}" = "1" ] && echo 8 || echo 60)"
+    # the process's signal masks (SigCgt 4000: it catches TERM) and its children, then one TERM to it alone
+    { grep -E "SigCgt|SigIgn" "/proc/$pid/status"; ps -o pid,pgid,cmd --ppid "$pid"; } > "$OUT_DIR/signals_proc.txt"
+    kill -TERM "$pid"
+    wait "$pid"
+    echo "exit status $?; left: $(ls "$OUT_DIR/sig" | tr '\n' ' ')" >> "$OUT_DIR/signals_proc.txt"
+    tail -3 "$OUT_DIR/signals.txt" | cat - "$OUT_DIR/signals_proc.txt" | tee -a "$LOG"
 fi
 
-rm -rf "${OUT_DIR:?}/run"  # checkpoints and caches stay behind: only figures come back
+rm -rf "${OUT_DIR:?}/run" "${OUT_DIR:?}/sig"  # checkpoints and caches stay behind: only figures come back
 step "done (status $status); results in $OUT_DIR"
 exit $status
