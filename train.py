@@ -95,6 +95,8 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             if stop is not None or last_step:  # the eval's stop signal (a poll's breaks below), or the end
                 break
             loss, grad_norm = train_step(run, step)
+            if step == run.start:
+                guard.arm()  # again: the first step compiled, and a compiler may have put in handlers of its own
             done = step + 1
             log_step = step % cfg.log_interval == 0 or step == cfg.max_iters - 1
             stop = check_step(run, sync=log_step)  # raises on a non-finite loss
