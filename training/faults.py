@@ -16,9 +16,8 @@ class RunGuard:
         self._previous: dict[int, object] = {}
 
     def arm(self) -> None:
-        """Install SIGINT/SIGTERM/SIGHUP/SIGPIPE handlers (main thread only); again, over a library's (disarm restores
-        the first previous): Triton's LLVM installs one-shot handlers as it compiles, through which a second quick
-        signal (timeout's to the process, then to its group) kills the run unsaved."""
+        """Install SIGINT/SIGTERM/SIGHUP/SIGPIPE handlers (main thread only); again over a library's (Triton's LLVM
+        puts in one-shot ones as it compiles, which a second quick signal gets past): disarm restores the first."""
         self._ttys = [fd for fd in (1, 2) if os.isatty(fd)]  # asked now: a hung-up terminal is no tty
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):  # SIGPIPE: stdout's reader gone

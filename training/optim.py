@@ -44,6 +44,7 @@ class Muon(torch.optim.Optimizer):
                 updates = orthogonalize(torch.stack(torch._foreach_lerp(grads, moms, beta)), self.ns_dtype)  # Nesterov
                 torch._foreach_add_(params, updates.unbind(), alpha=-lr * max(1.0, rows / cols) ** 0.5)  # tall: smaller
 
+
 def configure_optimizers(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
     """AdamW (decay on 2-D weights only), and Muon for the blocks' matrices if chosen; lr = peak lr."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
