@@ -118,11 +118,12 @@ def instrument(monkeypatch, act) -> collections.Counter:
     return counts
 
 
-def sigints_at(n: int, times: int = 1):
-    """An act (instrument) sending its process `times` SIGINTs from the n-th training forward (step n - 1)."""
+def signals_at(n: int, times: int = 1, sig: int = signal.SIGINT, gap: float = 0.0):
+    """An act (instrument) sending its process `times` sig, gap s apart, in the n-th training forward (step n - 1)."""
     def act(model, kind, counts, loss):
-        for _ in range(times if (kind, counts[kind]) == ("train", n) else 0):
-            os.kill(os.getpid(), signal.SIGINT)  # its Python handler runs before the next bytecode
+        for i in range(times if (kind, counts[kind]) == ("train", n) else 0):
+            time.sleep(gap * (i > 0))
+            os.kill(os.getpid(), sig)  # its Python handler runs before the next bytecode
         return loss
     return act
 
@@ -183,7 +184,7 @@ def test_a_second_ctrl_c_exits_at_once_with_130_saving_nothing(second, tmp_path,
             time.sleep(60)
         return real_save(obj, f, *args, **kwargs)
     monkeypatch.setattr(torch, "save", save)
-    instrument(monkeypatch, sigints_at(3, times=2) if in_step else sigints_at(6))  # in step 2, or step 5
+    instrument(monkeypatch, signals_at(3, times=2, gap=0.2) if in_step else signals_at(6))  # in step 2, or step 5
     proc = fork_train(cli_args(cfg), log)
     if not in_step:
         wait_for(lambda: "HANGING IN THE FINAL SAVE" in text(log), "the final save", log)
@@ -196,6 +197,13 @@ def test_a_second_ctrl_c_exits_at_once_with_130_saving_nothing(second, tmp_path,
     assert "interrupted by" not in log.read_text() and not (path.parent / "summary.json").exists()
     assert not path.exists() if in_step else (path.read_bytes() == saved_before and load_checkpoint(path)["step"] == 4)
     assert temp_files(path.parent) == set()
+
+
+def test_the_same_signal_twice_at_once_is_one_stop_that_saves(tmp_path, monkeypatch, own_handlers):
+    """timeout signals the process, then its group: two SIGTERMs microseconds apart stop the run as one does."""
+    instrument(monkeypatch, signals_at(3, times=2, sig=signal.SIGTERM))  # the second finds the first handled
+    assert train.main(cli_args(cfg := endless(tmp_path))) == 143
+    assert load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)["step"] == 3
 
 
 def test_train_puts_the_signal_handlers_back_however_it_ends(tmp_path, monkeypatch, own_handlers):

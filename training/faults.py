@@ -4,7 +4,10 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from pathlib import Path
+
+SAME_STOP_S = 0.1  # a second signal sooner is the first sent twice (timeout: to the process, then its group)
 
 
 class RunGuard:
@@ -30,10 +33,12 @@ class RunGuard:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signum is not None:
+            if time.monotonic() - self._first < SAME_STOP_S:
+                return
             self.disarm()
             signal.raise_signal(signum)  # previous handler: KeyboardInterrupt for SIGINT
             return
-        self.signum = signum
+        self.signum, self._first = signum, time.monotonic()
         for fd in self._ttys if signum == signal.SIGHUP else ():  # a closed terminal: writes (EIO) would stop the save
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
         if self.announce:  # os.write: print in a handler can raise "reentrant call"; stderr may be the lost pipe
