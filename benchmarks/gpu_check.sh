@@ -135,9 +135,12 @@ fi
 if want window; then
     train_run configs/shakespeare_char_fast.toml train_fast_window64 1.50 --attn_window=64  # a window of 64 of 256
 fi
-if want signals; then  # Triton's LLVM once took SIGTERM over (RESULTS.md): a compiled CUDA run must still save
+after=$([ "${DRY:-0}" = "1" ] && echo 10 || echo 90)  # part signals: the cold compile and some steps
+if want signals && [ $((DEADLINE - SECONDS)) -le $((after + 10)) ]; then
+    echo "skipped (BUDGET_S spent): part signals" | tee -a "$LOG"
+    status=1
+elif want signals; then  # Triton's LLVM once took SIGTERM over (RESULTS.md): a compiled CUDA run must still save
     step "timeout's SIGTERM (to the process, then its group) to a compiled run on $DEVICE: it must save"
-    after=$([ "${DRY:-0}" = "1" ] && echo 10 || echo 90)  # the cold compile and some steps
     timeout -s TERM "$after" python train.py configs/shakespeare_char_fast.toml --dataset="$DATA" --device="$DEVICE" \
         --out_dir="$OUT_DIR/sig" --overwrite=true "${TRAIN_ARGS[@]}" --max_iters=100000 > "$OUT_DIR/signals.txt" 2>&1 &
     tpid=$!
