@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]            # the bundled Tiny Shakespeare, or SHAKESPEARE=FILE
 #   BUDGET_S=540 ...                                  # stop after 540 s, skipping what is left
-#   PARTS="tests fast" ...                            # only these parts, of: tests fast baby kv window nanogpt signals
+#   PARTS="tests fast" ...                            # only these parts, of: tests fast eager baby kv window nanogpt signals
 #   NANOGPT=PATH ...                                  # with part nanogpt: side by side with a prepared nanoGPT
 #                                                     # checkout (benchmarks/vs_nanogpt.py --gpu, ~5 min)
 #   DRY=1 bash benchmarks/gpu_check.sh [OUT_DIR]      # CPU, small sizes: checks the script works
@@ -23,7 +23,7 @@ LOG="$OUT_DIR/log.txt"
 export PYTHONUNBUFFERED=1
 status=0
 step() { echo "== $*" | tee -a "$LOG"; }
-PARTS=${PARTS:-"tests fast baby kv window $([ -n "${NANOGPT:-}" ] && echo nanogpt) signals"}
+PARTS=${PARTS:-"tests fast eager baby kv window $([ -n "${NANOGPT:-}" ] && echo nanogpt) signals"}
 want() { [[ " $PARTS " == *" $1 "* ]]; }  # PART: is it to run?
 
 if [ "${DRY:-0}" = "1" ]; then
@@ -100,6 +100,9 @@ if want fast; then
     tail -3 "$OUT_DIR/causality_ckpt.txt" | tee -a "$LOG"
     capped python sample.py --out_dir="$OUT_DIR/run" --device="$DEVICE" --max_new_tokens=400 > "$OUT_DIR/sample.txt" 2>&1
     head -c 600 "$OUT_DIR/sample.txt" | tee -a "$LOG"
+fi
+if want eager; then  # does compiling pay for a cold machine's first run? (cold, it cost 47 s of an 88 s run)
+    train_run configs/shakespeare_char_fast.toml train_fast_eager 1.47 --compile=false
 fi
 if want nanogpt; then  # nanoGPT's GPU command, our baby GPT and our fast recipe, each compiled warm
     step "side by side with nanoGPT ($NANOGPT) on $DEVICE"
