@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# One prepared script for a machine with a GPU: correctness on CUDA, the fast recipe (its checkpoint
-# then checked for causality and sampled), the GPU training run on the from-scratch attention with sdpa's
-# step time beside it, the KV-cache benchmarks (the rolling one too) and the fast recipe with a sliding
-# window, most important first, with every figure written as JSON/text to one folder.
+# One prepared script for a machine with a GPU, in parts, most important first: correctness on CUDA (tests),
+# the fast recipe (fast: its checkpoint then checked for causality and sampled; eager: uncompiled), nanoGPT
+# side by side (nanogpt), the GPU training run on the from-scratch attention with sdpa's step time beside it
+# (baby), the KV-cache benchmarks (kv), the fast recipe with a sliding window (window), and a compiled run
+# stopped by timeout's SIGTERM (signals); every figure written as JSON/text to one folder.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]            # the bundled Tiny Shakespeare, or SHAKESPEARE=FILE
 #   BUDGET_S=540 ...                                  # stop after 540 s, skipping what is left
 #   PARTS="tests fast" ...                            # only these parts, of: tests fast eager baby kv window nanogpt signals
-#   NANOGPT=PATH ...                                  # with part nanogpt: side by side with a prepared nanoGPT
-#                                                     # checkout (benchmarks/vs_nanogpt.py --gpu, ~5 min)
+#   NANOGPT=PATH ...                                  # with part nanogpt: a nanoGPT checkout whose data/shakespeare_char
+#                                                     # is prepared (its prepare.py on the same input.txt); the device
+#                                                     # tool carries it from an ignored folder such as out/nanogpt
 #   DRY=1 bash benchmarks/gpu_check.sh [OUT_DIR]      # CPU, small sizes: checks the script works
 #
 # OUT_DIR defaults to $OUT (set by the device tool) or out/gpu_check. Needs PyTorch, numpy, tqdm,
 # tensorboard and pytest; no network (the corpus is corpora/tinyshakespeare.txt, or a synthetic one in
-# dry mode). On one H200 the whole script took 520 s (2026-12-04, the fast recipe then 2500 steps, now 1200).
+# dry mode). On one H200: the parts of its first version 520 s; PARTS="tests fast nanogpt" 554 s (2026-12-04).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-out/gpu_check}}
