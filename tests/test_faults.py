@@ -340,6 +340,7 @@ def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_
         signal_at_step(proc.pid, proc.is_alive, log, signal.Signals[name])
         proc.join(timeout=60)
         rc = proc.exitcode
+        monkeypatch.undo()  # the resume below runs in this process: no foreign handler, no terminal
     out, said = Path(cfg.out_dir), log.read_text()
     assert rc == 128 + signal.Signals[name], said
     summary, ckpt = json.loads((out / "summary.json").read_text()), load_checkpoint(out / CKPT_NAME)
