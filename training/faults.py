@@ -16,6 +16,7 @@ class RunGuard:
     def __init__(self, ckpt_path: str | Path, distributed: bool, announce: bool) -> None:
         self.ckpt_path, self.distributed, self.announce = Path(ckpt_path), distributed, announce
         self.signum: int | None = None  # first stop signal
+        self._first = 0.0  # when it came (time.monotonic): a second one sooner than SAME_STOP_S is the same stop
         self._previous: dict[int, object] = {}
 
     def arm(self) -> None:
