@@ -1,10 +1,13 @@
 """A real torchrun run (2 ranks, gloo) against one process replaying its ranks' batches; the rank helpers alone."""
 
 import itertools
+import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from data import get_batch
 from tiny import ROOT, cli_args, tiny_config
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint
 from training.distributed import Dist, init_distributed
+from training.faults import RunGuard
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
 QUIET = dict(gradient_accumulation_steps=2, dtype="float32", tensorboard=False, exact_val=False,
@@ -108,3 +112,31 @@ def test_torchrun_refuses_a_cuda_index_mps_or_more_ranks_than_gpus_before_a_proc
     with pytest.raises(ValueError, match=message):
         init_distributed(TORCHRUN, device)
     assert not torch.distributed.is_initialized()
+
+
+def agree(rank: int, store: str, out) -> None:
+    """Rank `rank` of 2 (gloo): check_step's verdicts, unsynced then synced, for a SIGTERM to rank 0 only, a NaN at
+    step 4 on rank 1 only, and NaNs at step 7 on rank 0 and step 4 on rank 1."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    run = SimpleNamespace(dist=Dist(rank=rank, world_size=2, enabled=True), guard=RunGuard("ckpt.pt", True, False),
+                          bad_loss=torch.tensor(math.nan))
+    said, ok = [], train.NO_STEP
+    cases = [(signal.SIGTERM, ok), (None, ok), (None, 7)] if rank == 0 else [(None, ok), (None, 4), (None, 4)]
+    for signum, bad in cases:  # (the signal, the first bad step) on this rank
+        run.guard.signum, run.first_bad = signum, torch.tensor(bad)
+        for sync in (False, True):
+            try:
+                said.append(train.check_step(run, sync))
+            except FloatingPointError as e:
+                said.append(str(e).split(";")[0])
+    out.put((rank, said))
+    torch.distributed.destroy_process_group()
+
+
+def test_the_ranks_agree_to_stop_for_a_signal_or_a_non_finite_loss_that_one_of_them_met(tmp_path):
+    """At log steps only (no sync between them), every rank stops for either, the first bad step named by all."""
+    out = torch.multiprocessing.get_context("spawn").SimpleQueue()
+    torch.multiprocessing.spawn(agree, (str(tmp_path / "store"), out), nprocs=2)
+    said = dict(out.get() for _ in range(2))
+    for rank, nan in ((0, "loss is not finite (on another rank) at step 4"), (1, "loss is nan at step 4")):
+        assert said[rank] == [None, signal.SIGTERM, None, nan, None, nan], rank
