@@ -66,12 +66,14 @@ def test_scalars_are_written_at_every_step_and_every_eval_and_the_fast_cpu_recip
     assert RECIPE.max_iters // RECIPE.eval_interval + 1 >= 8 and len(evals) >= 8, "the recipe evaluates < 8 times"
 
 
-def test_bits_per_character_are_the_loss_over_ln_2(run):
+def test_the_estimates_are_the_summarys_and_bits_per_character_the_loss_over_ln_2(run):
     cfg, acc = run
+    written = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
+    for tag, key in (("loss/val", "val_loss"), ("loss/train_estimate", "train_loss")):
+        assert [e.value for e in acc.Scalars(tag)] == pytest.approx([h[key] for h in written["history"]]), tag
     for loss, bpc in (("loss/val", "loss/val_bpc"), ("loss/val_exact", "loss/val_bpc_exact")):
         pairs = list(zip(acc.Scalars(loss), acc.Scalars(bpc), strict=True))
         assert pairs and all(math.isclose(b.value, a.value / math.log(2), rel_tol=1e-6) for a, b in pairs)
-    written = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
     assert math.isclose(written["final_val_bpc"], written["final_val_loss"] / math.log(2), rel_tol=1e-12)
     assert math.isclose(acc.Scalars("loss/val_exact")[0].value, written["final_val_loss"], rel_tol=1e-6)
 
