@@ -106,8 +106,8 @@ def test_eval_windows_cover_every_target_exactly_once_in_order_down_to_a_last_wi
 
 
 def test_a_folder_is_its_txt_files_in_sorted_path_order_without_hidden_ones(tmp_path):
-    folder = tmp_path / ".cache" / "texts"  # only names below the folder count as hidden
-    for name, text in [("b.txt", "second "), ("a.txt", "first "), ("sub/0.txt", "third"), ("notes.md", "no"),
+    folder = tmp_path / ".cache" / "texts"  # only names below the folder count as hidden; sub.txt/ is no file
+    for name, text in [("b.txt", "second "), ("a.txt", "first "), ("sub.txt/0.txt", "third"), ("notes.md", "no"),
                        ("only_hidden/.draft.txt", "hidden"), (".ipynb_checkpoints/a-checkpoint.txt", "stale")]:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text, encoding="utf-8")

@@ -345,7 +345,8 @@ def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_
     assert rc == 128 + signal.Signals[name], said
     summary, ckpt = json.loads((out / "summary.json").read_text()), load_checkpoint(out / CKPT_NAME)
     assert summary["interrupted"] == name and 6 <= (n := summary["steps"]) < M and summary["final_val_loss"] is None
-    assert f"received {name}: stopping at the end of this step" in said
+    again = {"SIGINT": "Ctrl-C again", "SIGPIPE": "Ctrl-C"}.get(name, f"{name} again")  # how to exit at once
+    assert f"received {name}: stopping at the end of this step and saving a checkpoint ({again} to exit" in said
     saved = f"interrupted by {name} after {n} steps: saved {out / CKPT_NAME} at step {n}"
     assert (saved in said) == (name in ("SIGINT", "SIGTERM"))  # after SIGHUP or SIGPIPE stdout reaches no one
     assert ckpt["step"] == n and ckpt["interrupted"] == name

@@ -371,6 +371,7 @@ def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choic
         train.train(cfg.replace(out_dir=str(tmp_path / choice), compile=choice), verbose=False)
     kept = runtime.remembered(runtime.speed_key(cfg.replace(dtype="float32")))[0]
     assert kept.keys() == {"eager", "compiled", "cold_s", "warm_s"} and min(kept.values()) >= 0 < kept["cold_s"], kept
+    runtime.remembered(runtime.speed_key(cfg.replace(dtype="float32")), update=lambda k: k | {"compiled": 1e9})  # loses
     real, auto = runtime.resolve_compile, cfg.replace(out_dir=str(tmp_path / "auto"), compile="auto")
     for says, run in ((True, auto.replace(max_iters=8)), (False, auto.replace(resume=True))):
         # what the measured speeds say, faked (compile, then not); what a resume keeps, real
