@@ -77,13 +77,14 @@ def test_attention_dropout_zeroes_normalised_weights_with_probability_p_and_resc
     assert torch.equal(returned, w.expand_as(returned)), "attention() returns dropped weights (the maps draw them)"
 
 
-@pytest.mark.parametrize("module", ["attn", "mlp"])
-def test_the_output_projections_drop_at_rate_p_in_train_mode_only(module):
-    """x + dropout(proj(...)): each entry kept w.p. 1 - p as proj / (1 - p) in train mode; proj itself in eval mode."""
+@pytest.mark.parametrize("module, backend", [("attn", "manual"), ("attn", "sdpa"), ("mlp", "manual")])
+def test_the_output_projections_drop_at_rate_p_in_train_mode_only(module, backend):
+    """x + dropout(proj(...)): each entry kept w.p. 1 - p as proj / (1 - p) in train mode; proj itself in eval mode.
+    Attention also drops weights before proj in train mode, on either backend; the MLP nothing."""
     torch.manual_seed(0)
-    block, p, seen = GPT(tiny(n_embd=64, dropout=0.3)).blocks[0], 0.3, []
+    block, p, seen, ins = GPT(tiny(n_embd=64, dropout=0.3, attn_backend=backend)).blocks[0], 0.3, [], []
     sub = getattr(block, module)
-    sub.proj.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    sub.proj.register_forward_hook(lambda _m, i, out: seen.append(out) or ins.append(i[0]))
     x = torch.randn(8, 12, 64)
     args = (block.ln_1(x), additive_mask(causal_mask(12, 12))) if module == "attn" else (x,)
     out = sub.train()(*args)
@@ -91,6 +92,7 @@ def test_the_output_projections_drop_at_rate_p_in_train_mode_only(module):
     assert abs(kept.double().mean().item() - (1 - p)) < 0.02, f"{module}: kept {kept.double().mean():.3f}, not 0.7"
     torch.testing.assert_close(out[kept], seen[-1][kept] / (1 - p))
     assert torch.equal(sub.eval()(*args), seen[-1]), f"{module}: dropout acts in eval mode"
+    assert torch.equal(ins[0], ins[1]) == (module == "mlp"), f"{module} ({backend}): weights dropped or not"
 
 
 def test_the_embeddings_drop_at_rate_p_in_train_mode():  # blocks[0] takes dropout(tok_emb + pos_emb)
