@@ -80,6 +80,12 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(two_ranks, tmp_path):
     assert load_checkpoint(tmp_path / "out" / CKPT_NAME)["step"] == cfg.max_iters + 2
 
 
+def test_under_torchrun_a_bad_command_line_is_said_once_per_node(monkeypatch, capsys):
+    for local_rank, says in (("1", False), ("0", True)):  # by LOCAL_RANK 0 only
+        monkeypatch.setattr(os, "environ", {**os.environ, **TORCHRUN, "LOCAL_RANK": local_rank})
+        assert train.main(["--max_iter=3"]) == 1 and ("unknown config key" in capsys.readouterr().err) == says
+
+
 @pytest.mark.parametrize("world, accum, suggestion", [(2, 3, 4), (4, 6, 8), (3, 1, 3)])
 def test_an_accumulation_count_the_ranks_cannot_share_is_refused_with_the_next_multiple(world, accum, suggestion):
     assert Dist(world_size=world).micro_steps(world * accum) == accum
@@ -98,6 +104,7 @@ def test_each_rank_and_restart_step_gets_its_own_seed_and_a_resumed_rank_draws_f
                         drawn.append(gen.initial_seed()) or real(data, B, T, gen, device))
     train.train(cfg, verbose=False)
     assert drawn and set(drawn) == {cfg.seed + 1 + 2 * 4}  # rank 1 of 2 at step 4: a checkpoint holds rank 0's RNG
+    assert torch.initial_seed() == cfg.seed + 1 + 2 * 4  # and its dropout's
 
 
 @pytest.mark.parametrize("device, message", [("cuda:1", "under torchrun each process uses cuda:LOCAL_RANK"),

@@ -385,14 +385,18 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     """The median ms/step (what compile='auto' weighs, with compile_seconds: none here) and the last line's MFU; the
     tokens of 9 steps count each one's 2 micro-batches of 4 x 16. MFU's peaks: of the GPUs named, not their variants."""
     cfg = tiny_config(tmp_path, max_iters=9, log_interval=2, peak_tflops=1.0, gradient_accumulation_steps=2, **QUICK)
-    summary = train.train(cfg)
-    lines = re.findall(r"step +(\d+) \|.*\| ([\d.]+) ms/step \| ([\d,]+) tok/s", capsys.readouterr().out)
+    summary, out = train.train(cfg), capsys.readouterr().out
+    lines = re.findall(r"step +(\d+) \|.*\| ([\d.]+) ms/step \| ([\d,]+) tok/s", out)
     steps, ms, tok_s = zip(*[(int(s), float(m), float(t.replace(",", ""))) for s, m, t in lines], strict=True)
     assert steps == (0, 2, 4, 6, 8) and summary["steps_this_run"] == 9 == summary["checkpoint_step"]
     assert summary["ms_per_step_median"] == pytest.approx(np.median(ms), abs=0.05) and summary["compile_seconds"] == 0
     flops = GPT(cfg.model_config(len(set(TEXT)))).flops_per_token(cfg.block_size)
     assert summary["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3)
     assert summary["tokens_per_second"] * summary["train_seconds"] == pytest.approx(9 * 2 * 4 * 16)
+    s = summary  # the end: what the run reached (no exact val here); and a run of seconds is not told to switch recipes
+    assert f"\ndone: 9 steps in {format_duration(s['wall_seconds'])} ({s['ms_per_step_median']:.1f} ms/step, " \
+        f"{s['tokens_per_second']:,.0f} tok/s) | best val estimate {s['best_val_loss']:.4f}\n" in out
+    assert "GPU-sized" not in out
     for name, peak in [("H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("H200 NVL", None), ("T4", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert runtime.peak_flops(torch.device("cuda")) == peak, name
