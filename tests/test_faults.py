@@ -13,12 +13,14 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from tqdm import tqdm
 
 import train
 from model import GPT
@@ -67,6 +69,7 @@ def fork_train():
         sys.stdout = sys.stderr = open(1, "w", buffering=1)  # through fd 1, as a terminal's (a hangup redirects fd 1)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        tqdm.set_lock(threading.RLock())  # not the parent's semaphore: a SIGKILL mid-bar would hang the parent's bars
         sys.exit(train.main(argv))
 
     def start(argv: list[str], log: Path) -> multiprocessing.Process:
