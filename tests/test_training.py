@@ -259,9 +259,10 @@ def test_an_estimate_is_the_mean_batch_loss_however_its_batches_are_grouped_and_
     of 1 weighing as 1 batch; evaluations put the mode back, even failed."""
     model = C.leak_test_model("manual").float().train()
     data = {"val": torch.from_numpy(np.random.default_rng(0).integers(0, 13, 300))}
-    spec, gen = TrainConfig(batch_size=3, block_size=10, eval_iters=7), torch.Generator().manual_seed(1337 + 1)
+    spec = TrainConfig(batch_size=3, block_size=10, eval_iters=7)
+    gen, B, T = torch.Generator().manual_seed(spec.seed + 1), spec.batch_size, spec.block_size
     with evaluating(model):
-        by_hand = np.mean([model(*get_batch(data["val"], 3, 10, gen))[1].item() for _ in range(7)])
+        by_hand = np.mean([model(*get_batch(data["val"], B, T, gen))[1].item() for _ in range(spec.eval_iters)])
     ests = [estimate_loss(model, data, spec, "cpu", batches_per_forward=n)["val"] for n in (1, 3, 7)]
     assert ests == pytest.approx([by_hand] * 3, rel=1e-6)
     for mode in (True, False):
@@ -369,9 +370,9 @@ def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choic
     cfg = tiny_config(tmp_path, max_iters=24, eval_interval=8, exact_val=False, tensorboard=False)
     for choice in ("false", "true", "true"):  # the second compile finds the shape in inductor's cache: warm
         train.train(cfg.replace(out_dir=str(tmp_path / choice), compile=choice), verbose=False)
-    kept = runtime.remembered(runtime.speed_key(cfg.replace(dtype="float32")))[0]
+    kept = runtime.remembered(key := runtime.speed_key(cfg.replace(dtype="float32")))[0]
     assert kept.keys() == {"eager", "compiled", "cold_s", "warm_s"} and min(kept.values()) >= 0 < kept["cold_s"], kept
-    runtime.remembered(runtime.speed_key(cfg.replace(dtype="float32")), update=lambda k: k | {"compiled": 1e9})  # loses
+    runtime.remembered(key, update=lambda k: k | {"compiled": 1e9})  # compiling loses here: only a kept choice compiles
     real, auto = runtime.resolve_compile, cfg.replace(out_dir=str(tmp_path / "auto"), compile="auto")
     for says, run in ((True, auto.replace(max_iters=8)), (False, auto.replace(resume=True))):
         # what the measured speeds say, faked (compile, then not); what a resume keeps, real
