@@ -53,7 +53,8 @@ class Check:
         figures = f"max change where none allowed {self.quiet:.3g} | min change where one is required {self.fired:.3g}"
         if self.ok:
             return f"ok   {self.name:<44} | {figures}"
-        return f"FAIL {self.name} — {self.detail or 'see the figures'} | {figures}"
+        unfired = "" if self.fired > 0 else "its positive control did not fire: the check proves nothing"
+        return f"FAIL {self.name} — {self.detail or unfired or 'see the figures'} | {figures}"
 
 
 def require(*checks: Check) -> None:
