@@ -28,7 +28,7 @@ from training import Stopped, TrainConfig, estimate_loss, exact_loss, parse_args
 from training.distributed import Dist, close_distributed, init_distributed, launched_by_torchrun
 from training.evaluate import evaluating
 from training.faults import RunGuard, exit_code, signal_name
-from training.log import RunLog, bpc, format_duration
+from training.log import RunLog, bpc, format_duration, step_ms
 from training.optim import configure_optimizers
 from training.visualize import prompt_attention, render_attention
 
@@ -320,11 +320,10 @@ def log_progress(run: Run, step: int, loss: Tensor, lr: float, grad_norm: Tensor
     scalars = {"optim/lr": lr}  # every step: a sparse, smoothed lr draws humps the schedule lacks
     if log:
         loss_f, seconds = loss.item(), run.train_seconds + time.perf_counter() - run.mark
-        steps_before, seconds_before = run.marks[-1] if run.marks else (0, 0.0)
         run.marks.append((run.steps, seconds))
         tok_s, mfu = out.speed(run.steps, seconds)
         text = (f"loss {loss_f:.4f} ({bpc(loss_f):.3f} bpc) | lr {lr:.2e} | "
-                f"{1000 * (seconds - seconds_before) / (run.steps - steps_before):.1f} ms/step | {tok_s:,.0f} tok/s")
+                f"{step_ms(run.marks[-2:])[-1]:.1f} ms/step | {tok_s:,.0f} tok/s")  # since the last log step
         if out.interactive:
             out.bar.set_postfix_str(text, refresh=False)
         else:

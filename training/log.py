@@ -26,6 +26,11 @@ def bpc(loss: float) -> float:
     return loss / math.log(2)
 
 
+def step_ms(marks: list[tuple[int, float]]) -> list[float]:
+    """Milliseconds per step between consecutive marks (steps, seconds), the first from (0, 0)."""
+    return [1000 * (e - e0) / (n - n0) for (n0, e0), (n, e) in itertools.pairwise([(0, 0.0), *marks])]
+
+
 def format_duration(seconds: float) -> str:
     """3725 -> '62 min'."""
     if seconds < 90:
@@ -120,8 +125,7 @@ class RunLog:
         """figures plus bpc, run facts and this process's throughput: steps_this_run in `seconds` of training, marks
         = (steps, training seconds) at each log step."""
         final = figures["final_val_loss"]
-        intervals = [1000 * (e - e0) / (n - n0) for (n0, e0), (n, e) in itertools.pairwise([(0, 0.0), *marks])]
-        median = float(np.median(intervals)) if intervals else None
+        median = float(np.median(step_ms(marks))) if marks else None
         mfu = self.speed(*marks[-1])[1] if marks else None  # the last progress line's
         return {**figures, "final_val_bpc": None if final is None else bpc(final),
                 "last_val_estimate": history[-1]["val_loss"] if history else None,
