@@ -224,7 +224,8 @@ def test_greedy_ignores_the_seed_and_the_same_seed_gives_the_same_text(sample_a)
 
 
 def test_num_samples_are_three_texts_between_dashed_lines_and_top_k_0_means_every_token(sample_a, monkeypatch):
-    """Samples from one generator, a dashed line between two; --top_k=0 hands sample_next no top-k (all tokens)."""
+    """Samples from one generator, a dashed line between two; --top_k=0 hands sample_next no top-k (all tokens);
+    the KV cache unless --no_cache."""
     code, out, _ = sample_a("--device=cpu", "--prompt=ROMEO:", "--max_new_tokens=10", "--num_samples=3")
     parts = out.removesuffix("\n").split(DASHES)
     assert code == 0 and out.endswith("\n") and len(set(parts)) == 3, parts
@@ -235,6 +236,11 @@ def test_num_samples_are_three_texts_between_dashed_lines_and_top_k_0_means_ever
         seen.clear()
         assert sample_a("--max_new_tokens=3", f"--top_k={top_k}")[0] == 0
         assert seen == [want] * 3, (top_k, seen)
+    stream, cached = model.gpt.GPT.stream, []
+    monkeypatch.setattr(model.gpt.GPT, "stream", lambda self, *a, **kw: cached.append(kw["use_cache"]) or
+                        stream(self, *a, **kw))
+    assert sample_a("--max_new_tokens=3")[0] == sample_a("--max_new_tokens=3", "--no_cache")[0] == 0
+    assert cached == [True, False]
 
 
 def test_an_sdpa_run_draws_its_attention_maps_in_tensorboard_and_by_a_bare_attention_png_in_out_dir(tmp_path, capsys):

@@ -134,13 +134,15 @@ def test_the_attention_maps_are_the_weights_each_layer_attends_with(monkeypatch)
     (dict(n_layer=0), "n_layer must be a positive integer"), (dict(block_size=2.5), "block_size must be a positive"),
     (dict(attn_backend="flash"), "attn_backend='flash' is unknown"), (dict(dropout=1.0), "dropout must be in"),
     (dict(pos_emb="rope", n_embd=18, n_head=2), "needs an even head width, got 9"),
-    (dict(attn_window=-1), "attn_window must be an integer >= 0"), (dict(attn_window=13), "exceeds block_size=12"),
+    (dict(attn_window=-1), "attn_window must be an integer >= 0"), (dict(attn_window=True), "got True"),
+    (dict(attn_window=13), "exceeds block_size=12"),
     (dict(doc_sep=11), r"doc_sep=11 is not a token id in \[0, 11\)")])
 def test_a_model_config_refusal_names_the_field_and_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         tiny(**kwargs)
     with pytest.raises(AttributeError):  # and a built config is frozen
         tiny().n_layer = 3
+    assert tiny(attn_window=12).attn_window == 12  # a window as long as the block is allowed
 
 
 def test_the_head_is_tied_to_the_embedding_and_residual_projections_start_smaller():
@@ -194,8 +196,11 @@ def test_generation_past_block_size_reads_the_documented_windows(prompt_len, sli
         got = model.generate(prompt, 40, temperature=0, use_cache=use_cache, slide=slide)
         assert torch.equal(got, want), f"generation (use_cache={use_cache}) does not read the documented windows"
     assert not torch.equal(want, greedy_over_windows(model, prompt, 40, 7 if slide != 7 else 2))  # control
-    with pytest.raises(ValueError, match=r"slide must be an integer in \[1, block_size=12\]"):
-        model.generate(prompt, 1, slide=13)
+    for bad in (13, True):
+        with pytest.raises(ValueError, match=r"slide must be an integer in \[1, block_size=12\]"):
+            model.generate(prompt, 1, slide=bad)
+    with pytest.raises(ValueError, match=r"generate needs a \(B, T>=1\) prompt, got shape \(\d+,\)"):
+        model.generate(prompt[0], 1)
     assert torch.equal(model.generate(prompt, 0), prompt)  # no new token: the prompt
 
 
