@@ -408,6 +408,26 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
                                                                                 "48 h", "2 days"]
 
 
+def test_the_duration_estimate_is_one_forwards_time_by_the_forwards_the_run_then_makes(tmp_path, monkeypatch):
+    """Forwards of a (B, T) batch, counted as the run makes them: a training forward with its backward as 3, an eval's
+    or the exact val's as 1. A fresh run, then one resumed from its step 3 (only the steps left count)."""
+    tokens, estimates, forward, estimate = [], [], GPT.forward, train.estimated_seconds
+    monkeypatch.setattr(GPT, "forward", lambda self, idx, *a, **k: tokens.append(
+        idx.numel() * (3 if torch.is_grad_enabled() else 1)) or forward(self, idx, *a, **k))
+    monkeypatch.setattr(train.timeit, "Timer", lambda fn: type("Timer", (), {"autorange": lambda _: (4, 2.0)})())
+    monkeypatch.setattr(train, "estimated_seconds", lambda run: estimates.append((estimate(run), len(tokens))) or
+                        estimates[-1][0])
+    for iters, resume in ((3, False), (6, True)):
+        tokens.clear()
+        cfg = tiny_config(tmp_path, max_iters=iters, resume=resume, gradient_accumulation_steps=2, tensorboard=False,
+                          exact_val=True)
+        train.train(cfg, verbose=True)
+        (seconds, per_forward), warm_up = estimates[-1]
+        assert per_forward == 0.5 and warm_up == 1  # 2.0 s over 4 timed forwards, after one untimed
+        made = sum(tokens[warm_up:]) / (cfg.batch_size * cfg.block_size)
+        assert seconds / per_forward == pytest.approx(made, abs=0.05), (iters, made)  # the exact val's last target
+
+
 def test_the_training_clock_counts_a_stopped_runs_last_steps_but_not_the_duration_estimate(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "estimated_seconds", lambda run: time.sleep(2) or (1.0, 0.1))
     monkeypatch.setattr(train, "get_batch", lambda *a, real=train.get_batch, **k: time.sleep(0.05) or real(*a, **k))
