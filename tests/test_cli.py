@@ -187,6 +187,10 @@ def test_a_gpu_sized_config_on_a_cpu_shows_its_estimate_and_suggests_the_cpu_rec
     assert out.index(suggestion[0]) < out.index("step 0: ")
     code, out, _ = run(capsys, train, *argv_for(cfg.replace(out_dir=str(tmp_path / "fast")), CPU_FAST))
     assert code == 0 and "duration on this machine: 5 h" in out and "GPU-sized" not in out  # it is the CPU recipe
+    monkeypatch.setattr(train, "estimated_seconds", lambda *args: (14 * 60.0, 2.5))  # under LONG_RUN_SECONDS
+    code, out, _ = run(capsys, train, *argv_for(cfg.replace(out_dir=str(tmp_path / "short")), ROOT / "configs" /
+                                                "shakespeare_char.toml"))
+    assert code == 0 and "duration on this machine: 14 min" in out and "GPU-sized" not in out  # a run of minutes
 
 
 # --- what sample.py prints -----------------------------------------------------------------------------------------
