@@ -168,9 +168,9 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
     "no_checkpoint": (lambda cfg, out: (out / CKPT_NAME).unlink() or cfg,
                       ["--resume: no checkpoint at", "without --resume the run starts afresh beside it (--overwrite"]),
     "no_out_dir": (lambda cfg, out: shutil.rmtree(out) or cfg, ["--resume: no checkpoint at"]),
-    "architecture": (lambda cfg, out: cfg.replace(n_layer=1, n_embd=32),
-                     ["n_layer: checkpoint 2 vs config 1", "n_embd: checkpoint 16 vs config 32",
-                      "Drop --resume to start afresh, or give a new --out_dir"]),
+    "architecture": (lambda cfg, out: cfg.replace(n_layer=1, n_embd=32, attn_window=4),  # a window: no weights
+                     ["n_layer: checkpoint 2 vs config 1", "n_embd: checkpoint 16 vs config 32", "attn_window: "
+                      "checkpoint 0 vs config 4", "Drop --resume to start afresh, or give a new --out_dir"]),
     "vocabulary": (lambda cfg, out: (out.parent / "other.txt").write_text(TEXT.replace("R", "Z") * 100) and  # beside
                    cfg.replace(dataset=str(out.parent / "other.txt")),  # out_dir: the snapshot stays out_dir's
                    ["another vocabulary", "differing: ['R', 'Z']", "drop --resume"]),

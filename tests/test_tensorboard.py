@@ -18,7 +18,7 @@ from tensorboard.plugins.hparams import api_pb2, metadata
 import train
 from tiny import ROOT, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, parse_args
-from training.visualize import EMPTY, layout_for
+from training.visualize import EMPTY, colour, layout_for
 
 RECIPE = parse_args([str(ROOT / "configs" / "shakespeare_char_cpu_fast.toml")])  # the fast CPU recipe
 QUIET = contextlib.redirect_stdout(io.StringIO())  # a verbose run (the only kind that writes events), swallowed
@@ -101,6 +101,7 @@ def test_a_text_sample_continuing_a_newline_and_attention_images_leaving_the_fut
                 cells = image[y:y + T * lay.cell, x:x + T * lay.cell].reshape(T, lay.cell, T, lay.cell, 3)
                 white = (cells == EMPTY).all(axis=(1, 3, 4))  # (queries, keys)
                 assert (white == future).all(), (layer, head, e.step)  # and no allowed key is white
+    assert not (colour(np.array([1e-300, 1e-6])) == EMPTY).all(-1).any()  # however small, a weight > 0 is not white
 
 
 def test_hparams_declare_metrics_and_hparams_name_the_session_by_out_dir_and_end_it_as_the_run_ends(run, resumed):

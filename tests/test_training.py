@@ -338,6 +338,8 @@ def test_the_bf16_probe_is_measured_once_per_machine_and_shape_and_then_remember
     state = torch.get_rng_state()
     ratios = {runtime.cpu_bf16_speedup(rows, width) for rows, width in ((64, 32), (256, 64))}
     assert all(r > 0 for r in ratios) and len(ratios) == 2 and torch.equal(torch.get_rng_state(), state)
+    monkeypatch.setattr(runtime.timeit, "timeit", lambda fn, number: 2.0 if fn().dtype == torch.float32 else 1.0)
+    assert runtime.cpu_bf16_speedup(64, 32) == 2.0  # float32's time over bf16's
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     measured, cpu = [], torch.device("cpu")
     monkeypatch.setattr(runtime, "cpu_bf16_speedup", lambda rows, width: measured.append(rows) or 3.0)
@@ -433,7 +435,7 @@ def test_the_duration_estimate_is_one_forwards_time_by_the_forwards_the_run_then
 def test_the_training_clock_counts_a_stopped_runs_last_steps_but_not_the_duration_estimate(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "estimated_seconds", lambda run: time.sleep(2) or (1.0, 0.1))
     monkeypatch.setattr(train, "get_batch", lambda *a, real=train.get_batch, **k: time.sleep(0.05) or real(*a, **k))
-    summary = ctrl_c_in_batch(9, tiny_config(tmp_path, max_iters=50, **QUICK))  # 9 steps, no eval after step 0's
+    summary = ctrl_c_in_batch(9, tiny_config(tmp_path, max_iters=50, **QUICK | {"eval_interval": 4}))  # evals: 0, 4, 8
     assert summary["steps"] == 9 and 0.4 < summary["train_seconds"] < 2, summary["train_seconds"]
 
 
