@@ -125,7 +125,7 @@ def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, 
 @pytest.mark.parametrize("argv, fragment", [  # {ckpt}: --ckpt=a_new's --device=cpu; {path}: a_new's checkpoint
     ("{ckpt} --temperature=-1", "temperature must be a finite number >= 0, got -1.0"),
     ("{ckpt} --top_p=0", "top_p must be in (0, 1], got 0.0"), ("{ckpt} --num_samples=0", "--num_samples must be >= 1"),
-    ("{ckpt} --prompt=a --prompt_file=prompt.txt", "--prompt or --prompt_file, not both"),
+    ("{ckpt} --prompt= --prompt_file=prompt.txt", "--prompt or --prompt_file, not both"),
     ("{ckpt} --prompt=RZ", "characters not in the vocabulary: 'Z'"),  # R is in it, so only Z is named
     ("{ckpt} --prompt=", "the prompt is empty"), ("--out_dir={path}", "is a file: give it as --ckpt={path}"),
     ("--top-k=5", "unknown option 'top-k'; did you mean top_k"), ("--temprature=0", "did you mean temperature?"),
@@ -264,10 +264,10 @@ def test_a_prompt_longer_than_block_size_is_continued_and_its_last_block_size_ch
     prompt, pics = TEXT[:40], tmp_path / "pics"
     code, out, _ = sample_a("--device=cpu", f"--prompt={prompt}", "--max_new_tokens=10")
     assert code == 0 and out.startswith(prompt) and len(out) == len(prompt) + 10 + 1
-    for name, text in (("long.png", prompt), ("last.png", prompt[-16:])):
+    for name, text in (("long.png", prompt), ("last", prompt[-16:])):  # no suffix: a PNG
         code, out, err = sample_a(f"--prompt={text}", f"--attention_png={pics / name}")
         assert code == 0 and out == "" and f"wrote {pics / name}" in err and Image.open(pics / name).format == "PNG"
-    assert (pics / "long.png").read_bytes() == (pics / "last.png").read_bytes()
+    assert (pics / "long.png").read_bytes() == (pics / "last").read_bytes()
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's modes: x86 builds of PyTorch")

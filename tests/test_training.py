@@ -220,6 +220,9 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
         4, 0.1, True, "x.txt", "true", True, False)
     assert parse_args(["--max_iters=50", "--lr_decay_iters=50"]).warmup_iters == 100  # ends in its warmup: no decay
     assert cfg.learning_rate == 1.0 == cfg.min_lr and isinstance(cfg.learning_rate, float)  # TOML's 1; lr = min_lr: ok
+    path.write_text("max_iters = true\n")  # TOML's true is no int, though Python's bool is one
+    with pytest.raises(ValueError, match=re.escape("config field max_iters must be int, got True")):
+        parse_args([str(path)])
 
 
 @pytest.mark.parametrize("override, match", [
