@@ -209,6 +209,14 @@ def test_the_same_signal_twice_at_once_is_one_stop_that_saves(tmp_path, monkeypa
     assert load_checkpoint(Path(cfg.out_dir) / CKPT_NAME)["step"] == 3
 
 
+def test_a_stopped_run_saves_without_the_exact_val_pass_where_evaluations_run_on(tmp_path, monkeypatch, own_handlers):
+    """Under torchrun stopping() is False (the ranks wait in an evaluation), yet a stop skips the final pass."""
+    monkeypatch.setattr(RunGuard, "stopping", lambda self: False)
+    instrument(monkeypatch, signals_at(3, sig=signal.SIGTERM))
+    assert train.main(cli_args(cfg := endless(tmp_path, exact_val=True))) == 143
+    assert json.loads((Path(cfg.out_dir) / "summary.json").read_text())["final_val_loss"] is None
+
+
 def test_train_puts_the_signal_handlers_back_however_it_ends(tmp_path, monkeypatch, own_handlers):
     during = []
 
