@@ -18,7 +18,7 @@ from tensorboard.plugins.hparams import api_pb2, metadata
 import train
 from tiny import ROOT, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, parse_args
-from training.visualize import EMPTY, colour, layout_for
+from training.visualize import EMPTY, HIGH, LOW, colour, layout_for, render_attention
 
 RECIPE = parse_args([str(ROOT / "configs" / "shakespeare_char_cpu_fast.toml")])  # the fast CPU recipe
 QUIET = contextlib.redirect_stdout(io.StringIO())  # a verbose run (the only kind that writes events), swallowed
@@ -102,6 +102,18 @@ def test_a_text_sample_continuing_a_newline_and_attention_images_leaving_the_fut
                 white = (cells == EMPTY).all(axis=(1, 3, 4))  # (queries, keys)
                 assert (white == future).all(), (layer, head, e.step)  # and no allowed key is white
     assert not (colour(np.array([1e-300, 1e-6])) == EMPTY).all(-1).any()  # however small, a weight > 0 is not white
+
+
+def test_the_maps_geometry_ramp_and_titles():
+    """Cells of 2..14 px, labelled from 8 (T <= 64); a quarter weight half-way up the sqrt ramp; tile titles name the
+    layer given (TensorBoard draws layer l alone, as layer_ids=[l])."""
+    assert [(lay.cell, lay.label > 0) for lay in map(lambda T: layout_for(1, 1, T), (36, 64, 65, 300))] == [
+        (14, True), (8, True), (7, False), (2, False)]
+    assert (colour(np.array([0.25])) == np.rint(np.add(LOW, HIGH) / 2)).all()
+    maps, two = [torch.full((1, 2, 2), 0.5)], layout_for(2, 1, 2)
+    (x0, y0), (x1, y1) = layout_for(1, 1, 2).origin(0, 0), two.origin(1, 0)
+    title = lambda image, x, y: image[y - two.label - two.title:y - two.label, x - two.label:x + 2 * two.cell]
+    assert (title(render_attention(maps, "ab", [1]), x0, y0) == title(render_attention(maps * 2, "ab"), x1, y1)).all()
 
 
 def test_hparams_declare_metrics_and_hparams_name_the_session_by_out_dir_and_end_it_as_the_run_ends(run, resumed):
