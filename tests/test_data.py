@@ -182,7 +182,7 @@ def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(sa
     assert corpus.tokenizer.decode(corpus.train) == SEP + CORPUS[:1800] + SEP  # the hub's train split (90 %)
     assert corpus.tokenizer.decode(corpus.val) == CORPUS[1800:1900] + SEP + CORPUS[1900:]  # validation + test
     assert load_text(f"{saved}:validation")[0] == load_text(saved, split="validation")[0] == SEP + CORPUS[1800:1900]
-    assert load_text(saved, split="test")[0] == SEP + CORPUS[1900:]
+    assert load_text(saved, split="test") == (SEP + CORPUS[1900:], f"{saved}:test")  # the name says which split
     with pytest.raises(ValueError, match="names split 'test' but config field split='train'"):
         load_text(f"{saved}:test", split="train")
 

@@ -319,8 +319,9 @@ def test_muon_steps_by_orthogonalised_nesterov_momentum_scaled_up_for_tall_matri
             u, scale = (1 - beta) * p.grad + beta * momentum[i], math.sqrt(max(1, p.size(0) / p.size(1)))
             want = -lr * scale * orthogonalize(u[None], dtype=torch.float32)[0]
             torch.testing.assert_close(p.detach() - before[i], want, atol=1e-5, rtol=0)
-    s = torch.linalg.svdvals(orthogonalize(torch.randn(64, 32, generator=g), dtype=torch.float32))
-    assert 0.6 < s.min() and s.max() < 1.3  # singular values near 1
+    G = torch.randn(64, 32, generator=g) * torch.logspace(0, -2, 32)  # singular values 8.5 .. 0.05
+    s = torch.linalg.svdvals(orthogonalize(G, dtype=torch.float32))
+    assert 0.6 < s.min() and s.max() < 1.3  # all near 1: five iterations lift even the smallest
 
 
 # --- devices: the dtype rule, and what a GPU step must not do -----------------------------------------
@@ -351,12 +352,20 @@ def test_the_bf16_probe_is_measured_once_per_machine_and_shape_and_then_remember
     assert runtime.resolve_dtype("auto", cpu, (768, 128)) == first and first[0] == torch.bfloat16 and measured == [768]
     assert "3.00x" in first[1] and str(tmp_path / "gpt-char" / "probes.json") in first[1]
     assert runtime.resolve_dtype("auto", cpu, (1536, 128))[0] == torch.float32 and measured == [768, 1536]  # new shape
+    threads = torch.get_num_threads()
+    try:  # another thread count times differently: measured anew
+        torch.set_num_threads(threads + 1)
+        assert runtime.resolve_dtype("auto", cpu, (768, 128))[0] == torch.float32 and measured == [768, 1536, 768]
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kept, warm, steps, want", [(None, 0, 10**5, 0), (RUNS, 0, 10**5, 1), (RUNS, 0, 2000, 0),
     (RUNS, 1, 2000, 1), ({**RUNS, "warm_s": 20.0}, 1, 2000, 0), ({**RUNS, "warm_s": 1.0}, 0, 2000, 0),
-    ({"eager": 40.0, "compiled": 41.0, "cold_s": 1.0}, 1, 10**6, 0)], ids=["never-measured", "pays", "cold-too-dear",
-    "warm-cache-unmeasured", "warm-compile-too-dear", "cache-wiped-so-cold-too-dear", "no-gain"])
+    ({"eager": 40.0, "compiled": 41.0, "cold_s": 1.0}, 1, 10**6, 0),
+    ({"eager": 44.0, "compiled": 33.0, "warm_s": 1.0}, 0, 2000, 0)], ids=["never-measured", "pays", "cold-too-dear",
+    "warm-cache-unmeasured", "warm-compile-too-dear", "cache-wiped-so-cold-too-dear", "no-gain",
+    "cold-never-measured"])
 def test_auto_compile_on_a_cpu_follows_measured_runs_of_the_shape(monkeypatch, tmp_path, kept, warm, steps, want):
     for name in ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR"):  # probes.json; inductor's cache and the markers
         monkeypatch.setenv(name, str(tmp_path))
@@ -366,7 +375,9 @@ def test_auto_compile_on_a_cpu_follows_measured_runs_of_the_shape(monkeypatch, t
         runtime.compiled_here(cfg).touch()
     use, why = runtime.resolve_compile("auto", cpu, cfg, steps)
     assert use == want and why.startswith("auto: ") and ("warm" in why) == bool(warm and kept), why
-    assert runtime.resolve_compile("false", cpu, cfg, steps)[0] is False
+    assert runtime.resolve_compile("false", cpu, cfg, steps, kept="true") == (False, "as configured")  # not a resume's
+    for other in (dict(dtype="bfloat16"), dict(n_layer=2), dict(attn_window=8)):  # another dtype or shape: not measured
+        assert not runtime.resolve_compile("auto", cpu, cfg.replace(**other), steps)[0], other
     assert runtime.resolve_compile("auto", torch.device("cuda"), cfg, steps)[0] is True
 
 
