@@ -18,7 +18,7 @@ import train
 from model import GPT, GPTConfig
 from tiny import ROOT, TEXT, cli_args, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, TrainConfig, load_checkpoint, save_checkpoint
-from training.checkpoint import FORMAT, prepare_run_folder, run_folder, write_atomic
+from training.checkpoint import FORMAT, prepare_run_folder, run_folder, write_atomic, write_json
 
 N, K = 8, 4  # an uninterrupted run of N steps; its twin stops at K and resumes to N
 
@@ -277,3 +277,10 @@ def test_a_new_file_gets_the_permissions_of_the_umask_not_0600(tmp_path, umask, 
     finally:
         os.umask(previous)
     assert (tmp_path / "summary.json").stat().st_mode & 0o777 == mode
+
+
+def test_json_files_are_strict_json_with_non_finite_floats_as_null(tmp_path):
+    """A run stopped before its first eval has best_val_loss = inf: jq and JavaScript refuse Infinity."""
+    write_json(tmp_path / "s.json", {"best_val_loss": float("inf"), "losses": [float("nan"), 1.5]})
+    strict = json.loads((tmp_path / "s.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert strict == {"best_val_loss": None, "losses": [None, 1.5]}

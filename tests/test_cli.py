@@ -63,14 +63,15 @@ def sample_a(runs, capsys):  # sample.py on a_new's checkpoint: (exit code, stdo
 @pytest.mark.parametrize("program, kind", [(train, TrainConfig), (sample, sample.SampleConfig)])  # dataclass fields
 def test_help_lists_every_option_with_its_type_and_default(capsys, program, kind):
     assert program.main(["--help"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("  --")]
     fields = dataclasses.fields(kind)
     assert len(lines) == len(fields) >= 14  # one line per field, none stale
     for f in fields:
         line = next(line for line in lines if line.startswith(f"  --{f.name}="))
         for name in f.metadata["choices"] or (field_type(f).__name__,):
             assert name in line, (f.name, line)
-        assert f"(default: {f.default!r})" in line, (f.name, line)
+        assert f"(default: {f.default!r})" in line and f"{line}\n      {f.metadata['help']}\n" in out, (f.name, line)
 
 
 # --- errors: one line that says the way out, exit 1, nothing written ------------------------------------------------

@@ -419,7 +419,9 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     for name, peak in [("H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("H200 NVL", None), ("T4", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert runtime.peak_flops(torch.device("cuda")) == peak, name
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a rank > 0 on a terminal: no bar, no lines
     log, marks = RunLog(cfg, 1, None, 0, False), [(1, .01), (3, .014), (5, .03)]  # 10, 2 and 8 ms a step
+    assert not log.interactive and log.bar.disable
     facts = {"params": 1, "device": "cpu", "dtype": "float32", "world_size": 1}
     assert log.summary(facts, [], marks, 5, .03, final_val_loss=None)["ms_per_step_median"] == pytest.approx(8)
     assert [format_duration(s) for s in (89, 90, 3725, 5400, 172799, 172800)] == ["89 s", "2 min", "62 min", "2 h",
