@@ -280,7 +280,7 @@ def test_a_new_file_gets_the_permissions_of_the_umask_not_0600(tmp_path, umask, 
 
 
 def test_json_files_are_strict_json_with_non_finite_floats_as_null(tmp_path):
-    """A run stopped before its first eval has best_val_loss = inf: jq and JavaScript refuse Infinity."""
+    """A run stopped in its first estimate has best_val_loss = inf: jq and JavaScript refuse Infinity."""
     write_json(tmp_path / "s.json", {"best_val_loss": float("inf"), "losses": [float("nan"), 1.5]})
     strict = json.loads((tmp_path / "s.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     assert strict == {"best_val_loss": None, "losses": [None, 1.5]}
