@@ -1,6 +1,7 @@
 """Shared fixtures (helpers are in tests/tiny.py), and the mask command's report: one line per failing test,
 leaks first (python -m pytest -m mask; add --tb=short for tracebacks)."""
 
+import atexit
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 # remembered measurements and compile markers (training/runtime.py) go to a folder of this session, never the user's
 os.environ["XDG_CACHE_HOME"] = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpt-char-tests-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)  # nothing left in /tmp
 KINDS = ("LEAK", "query", "no leak")  # the report's order: leaks, queries blind to their own key, other rules
 
 

@@ -90,10 +90,11 @@ def test_a_resumed_run_keeps_the_dtype_auto_chose_at_its_start(tmp_path, monkeyp
 @pytest.mark.parametrize("always", [False, True])
 def test_a_worse_estimate_never_replaces_the_best_checkpoint_even_across_a_resume(tmp_path, monkeypatch, capsys,
                                                                                   always):
-    """Val estimates 2.0, 1.0 | 1.5, 0.5, 1.2 (train: 3 minus those) at steps 0, 2 | 4, 6, 8, Ctrl-C (saving step 3)
-    at |: the best is 1.0 over it, then 0.5, also when always_save_checkpoint saves at every eval (the best val is the
-    best, not the last). The last line says which step the checkpoint holds when it is not the last."""
-    values, saves, real_save = iter([2.0, 1.0, 1.5, 0.5, 1.2]), [], train.checkpoint.save_checkpoint
+    """Val estimates 2.0, 1.0 | 1.001, 0.5, 0.5 (train: 3 minus those) at steps 0, 2 | 4, 6, 8, Ctrl-C (saving step
+    3) at |: the best is 1.0 over it, then 0.5 (a near miss or a tie is no improvement), also when
+    always_save_checkpoint saves at every eval (the best val is the best, not the last). The last line says which step
+    the checkpoint holds when it is not the last."""
+    values, saves, real_save = iter([2.0, 1.0, 1.001, 0.5, 0.5]), [], train.checkpoint.save_checkpoint
     monkeypatch.setattr(train, "estimate_loss", lambda *a, **k: {"val": (v := next(values)), "train": 3 - v})
     monkeypatch.setattr(train.checkpoint, "save_checkpoint", lambda path, state: saves.append(state["step"]) or
                         real_save(path, state))

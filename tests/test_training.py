@@ -293,7 +293,9 @@ def test_every_eval_of_a_run_reads_the_same_batches_so_its_estimates_compare(tmp
 def test_adamw_decays_only_2d_weights_and_muon_takes_the_block_matrices_each_parameter_once():
     model = C.leak_test_model("manual").float()
     for optimizer in ("adamw", "muon"):
-        optimizers = configure_optimizers(model, TrainConfig(optimizer=optimizer, weight_decay=0.1))
+        optimizers = configure_optimizers(model, TrainConfig(optimizer=optimizer, weight_decay=0.1, beta1=0.8,
+                                                             beta2=0.95))
+        assert optimizers[-1].defaults["betas"] == (0.8, 0.95)
         held = [id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]]
         assert sorted(held) == sorted(id(p) for p in model.parameters())
         assert [g["weight_decay"] for g in optimizers[-1].param_groups] == [0.1, 0.0]  # the last is AdamW
