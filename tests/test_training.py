@@ -138,10 +138,13 @@ def test_the_loop_applies_the_documented_learning_rate_at_every_step(tmp_path, m
 
 
 def test_the_loss_train_py_optimises_is_next_token_cross_entropy(tmp_path, monkeypatch):
-    """Every training forward's y is the next tokens of x's windows in the corpus, and its loss their cross-entropy."""
+    """Every training forward's y is the next tokens of x's windows in the corpus, and its loss their cross-entropy:
+    the loss its step logs (progress line, TensorBoard)."""
     text = tmp_path / "unique_windows.txt"
     text.write_text("".join(np.random.default_rng(1).choice(list("abcdefghijklmnopqrst"), 3000)))
-    records, real = [], train.GPT.forward
+    records, logged, real = [], [], train.GPT.forward
+    monkeypatch.setattr(train.RunLog, "scalars", lambda _, step, values: logged.extend(
+        [values["loss/train"]] if "loss/train" in values else []))
 
     def forward(self, idx, targets=None, cache=None):
         logits, loss = real(self, idx, targets, cache)
@@ -151,7 +154,7 @@ def test_the_loss_train_py_optimises_is_next_token_cross_entropy(tmp_path, monke
     monkeypatch.setattr(train.GPT, "forward", forward)
     train.train(tiny_config(tmp_path, dataset=str(text), block_size=8, max_iters=3, **QUICK), verbose=False)
     corpus = load_corpus(str(text)).train.astype(np.int64)
-    assert len(records) == 3
+    assert len(records) == 3 and logged == [loss.item() for *_, loss in records]
     for x, y, logits, loss in records:
         nxt = torch.tensor(np.stack([corpus[i + 1:i + 9] for i in C.find_offsets(corpus, x)]))
         assert torch.equal(y, nxt)
