@@ -177,7 +177,7 @@ def announce_duration(run: Run, argv: list[str]) -> None:
     cfg = run.cfg
     seconds, forward = estimated_seconds(run)
     run.log.line(f"estimated duration on this machine: {format_duration(seconds)} (one forward of a "
-                 f"{cfg.batch_size}x{cfg.block_size} batch: {forward:.2f} s)")
+                 f"{cfg.batch_size}x{cfg.block_size} batch: {forward:.2g} s)")  # .2g: 0.00043 s, not 0.00 s
     if seconds > LONG_RUN_SECONDS and not (argv and Path(argv[0]).name == "shakespeare_char_cpu_fast.toml"):
         fast = os.path.relpath(CONFIGS / "shakespeare_char_cpu_fast.toml")
         run.log.line(f"this is a GPU-sized run for this machine; for a run of minutes: python train.py {fast}")

@@ -182,7 +182,7 @@ def test_a_gpu_sized_config_on_a_cpu_shows_its_estimate_and_suggests_the_cpu_rec
     cfg = tiny_config(tmp_path, tensorboard=False, max_iters=1, exact_val=False)
     code, out, _ = run(capsys, train, *argv_for(cfg, ROOT / "configs" / "shakespeare_char.toml"))
     assert code == 0 and out.startswith(f"{cfg.dataset}: ")  # the corpus line first: no line about the recipe
-    assert "estimated duration on this machine: 5 h (one forward of a 4x16 batch: 2.50 s)\n" in out
+    assert "estimated duration on this machine: 5 h (one forward of a 4x16 batch: 2.5 s)\n" in out
     suggestion = re.search(r"^this is a GPU-sized run .*: python train.py (\S+)$", out, re.M)
     assert suggestion and Path(suggestion[1]).resolve() == CPU_FAST  # a path that works from the cwd
     assert out.index(suggestion[0]) < out.index("step 0: ")
