@@ -25,6 +25,7 @@ import training.runtime as runtime
 from data import SEPARATOR, CharTokenizer, check_split_sizes, get_batch, load_corpus
 from model import GPT
 from training import Stopped, TrainConfig, estimate_loss, exact_loss, parse_args, print_help, resolve_device
+from training.config import parse_values
 from training.distributed import Dist, close_distributed, init_distributed, launched_by_torchrun
 from training.evaluate import evaluating
 from training.faults import RunGuard, exit_code, signal_name
@@ -403,7 +404,8 @@ def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
     """argv with this device's recipe prepended if it names no config, and a line saying which (or None)."""
     if argv and not argv[0].startswith("--"):
         return argv, None
-    kind = resolve_device(parse_args(argv).device).type
+    # the device alone: the overrides are checked against each other once on top of the recipe
+    kind = resolve_device(TrainConfig(device=parse_values(argv).get("device", "auto")).device).type
     name, why = {"cuda": ("shakespeare_char_fast.toml", "the fast GPU recipe, for CUDA"),
                  "mps": ("shakespeare_char_cpu.toml", "nanoGPT's laptop recipe, for MPS")}.get(
         kind, ("shakespeare_char_cpu_fast.toml", "the fast CPU recipe: no CUDA GPU here"))

@@ -174,6 +174,11 @@ def test_without_a_config_each_device_gets_its_recipe_and_device_cpu_the_cpu_one
     for device in (["--device=cpu"], ["--device", "cpu"]):  # parse_args takes both forms
         argv, why = train.with_recipe(["--max_iters=3", *device])
         assert argv[0] == str(CPU_FAST) and why.startswith("no config given: training configs/" + CPU_FAST.name), device
+    # overrides are checked on top of the recipe, not of the defaults (learning_rate 1e-3, warmup_iters 100)
+    overrides = ["--device=cpu", "--min_lr=0.005", "--lr_decay_iters=50"]
+    assert parse_args(train.with_recipe(overrides)[0]).min_lr == 0.005
+    with pytest.raises(ValueError, match="device must be one of .*, got 'gpu'"):
+        train.with_recipe(["--device=gpu"])
 
 
 def test_a_gpu_sized_config_on_a_cpu_shows_its_estimate_and_suggests_the_cpu_recipe(tmp_path, monkeypatch, capsys):

@@ -174,6 +174,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def parse_args(argv: list[str], kind: type = TrainConfig) -> Any:
     """`[CONFIG.toml] [--field=value | --field value | --flag] ...` -> a kind (the config file: TrainConfig only)."""
+    return kind(**parse_values(argv, kind))
+
+
+def parse_values(argv: list[str], kind: type = TrainConfig) -> dict[str, Any]:
+    """parse_args's field values, each of its field's type, not yet checked against each other."""
     args, fields = list(argv), {f.name: f for f in dataclasses.fields(kind)}
     values = load_toml(args.pop(0)) if kind is TrainConfig and args and not args[0].startswith("--") else {}
     while args:
@@ -193,7 +198,7 @@ def parse_args(argv: list[str], kind: type = TrainConfig) -> Any:
             values[key] = BOOLS[text.lower()] if value_type is bool else value_type(text)
         except (KeyError, ValueError):
             raise ValueError(f"{kind.KEY} {key}: {text!r} is not a valid {value_type.__name__}") from None
-    return kind(**values)
+    return values
 
 
 def print_help(argv: list[str], kind: type = TrainConfig) -> bool:
