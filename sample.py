@@ -34,7 +34,7 @@ class SampleConfig:
     prompt: str | None = opt(None, "text to continue; None = a newline, or a new document for a model trained on "
                                    "documents (each sample then ends where its document does)")
     prompt_file: str | None = opt(None, "UTF-8 file holding the prompt")
-    max_new_tokens: int = opt(500, "characters per sample")
+    max_new_tokens: int = opt(500, "characters per sample", rule=">= 0")
     temperature: float = opt(0.8, "0 = greedy; < 1 sharper, > 1 more random")
     top_k: int = opt(200, "keep the k likeliest tokens (0 = all)", rule=">= 0")
     top_p: float = opt(1.0, "nucleus sampling mass (1 = off)")
