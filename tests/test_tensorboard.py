@@ -16,9 +16,10 @@ from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.plugins.hparams import api_pb2, metadata
 
 import train
+from data import SEPARATOR, load_corpus
 from tiny import ROOT, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, parse_args
-from training.visualize import EMPTY, HIGH, LOW, colour, layout_for, render_attention
+from training.visualize import EMPTY, HIGH, INVALID, LOW, colour, layout_for, render_attention
 
 RECIPE = parse_args([str(ROOT / "configs" / "shakespeare_char_cpu_fast.toml")])  # the fast CPU recipe
 QUIET = contextlib.redirect_stdout(io.StringIO())  # a verbose run (the only kind that writes events), swallowed
@@ -105,8 +106,8 @@ def test_a_text_sample_continuing_a_newline_and_attention_images_leaving_the_fut
 
 
 def test_the_maps_geometry_ramp_and_titles():
-    """Cells of 2..14 px, labelled from 8 (T <= 64); a quarter weight half-way up the sqrt ramp; tile titles name the
-    layer given (TensorBoard draws layer l alone, as layer_ids=[l])."""
+    """Cells of 2..14 px, labelled from 8 (T <= 64); a quarter weight half-way up the sqrt ramp, NaN and inf red; tile
+    titles name the layer given (TensorBoard draws layer l alone, as layer_ids=[l]); maps of other shapes refused."""
     assert [(lay.cell, lay.label > 0) for lay in map(lambda T: layout_for(1, 1, T), (36, 64, 65, 300))] == [
         (14, True), (8, True), (7, False), (2, False)]
     assert (colour(np.array([0.25])) == np.rint(np.add(LOW, HIGH) / 2)).all()
@@ -114,6 +115,10 @@ def test_the_maps_geometry_ramp_and_titles():
     (x0, y0), (x1, y1) = layout_for(1, 1, 2).origin(0, 0), two.origin(1, 0)
     title = lambda image, x, y: image[y - two.label - two.title:y - two.label, x - two.label:x + 2 * two.cell]
     assert (title(render_attention(maps, "ab", [1]), x0, y0) == title(render_attention(maps * 2, "ab"), x1, y1)).all()
+    assert (colour(np.array([np.nan, np.inf])) == INVALID).all()  # a bug, made visible
+    for bad in ([], [torch.full((1, 1, 2), 0.5)], [maps[0], torch.full((2, 2, 2), 0.5)]):  # not L maps (H, T, T)
+        with pytest.raises(ValueError, match=r"need L >= 1 maps \(H, T, T\) for T = 2 chars"):
+            render_attention(bad, "ab")
 
 
 def test_hparams_declare_metrics_and_hparams_name_the_session_by_out_dir_and_end_it_as_the_run_ends(run, resumed):
@@ -152,3 +157,16 @@ def test_the_text_sample_draws_from_its_own_generator_so_the_weights_do_not_depe
             train.train(cfg)
         weights.append(torch.load(Path(cfg.out_dir) / CKPT_NAME, weights_only=True)["model"])
     assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in w)
+
+
+def test_the_text_sample_of_a_model_of_documents_opens_a_document(tmp_path, monkeypatch):
+    """It starts from the separator, not a newline (paragraphs hold both, and "\\n" sorts first)."""
+    starts, real = [], train.GPT.stream
+    monkeypatch.setattr(train.GPT, "stream", lambda model, idx, *a, **k: starts.append(idx.item()) or
+                        real(model, idx, *a, **k))
+    (tmp_path / "paragraphs.txt").write_text("A line,\nanother.\n\nA second one.\n\n" * 50)
+    cfg = tiny_config(tmp_path, dataset=str(tmp_path / "paragraphs.txt"), documents="paragraphs", max_iters=2,
+                      eval_interval=1, exact_val=False)
+    with QUIET:
+        train.train(cfg)
+    assert starts == [load_corpus(cfg.dataset, documents="paragraphs").tokenizer.stoi[SEPARATOR]] * 3

@@ -83,8 +83,15 @@ def recorded_steps(monkeypatch) -> list[dict]:
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_float16_training_unscales_the_gradients_before_it_clips_them(tmp_path, monkeypatch, optimizer):
-    """float16's GradScaler unscales the gradients before the clip: its norms match float32's, steps get grad_clip."""
-    steps, clipped, real_clip = recorded_steps(monkeypatch), [], torch.nn.utils.clip_grad_norm_
+    """float16 scales its losses (small gradients would underflow) and unscales the gradients before the clip: its
+    norms match float32's, steps get grad_clip."""
+    steps, clipped, real_clip, scaling = recorded_steps(monkeypatch), [], torch.nn.utils.clip_grad_norm_, []
+
+    class GradScaler(torch.amp.GradScaler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            scaling.append(self.is_enabled())
+    monkeypatch.setattr(torch.amp, "GradScaler", GradScaler)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
                         lambda *a, **k: clipped.append((norm := real_clip(*a, **k)).item()) or norm)
     for dtype in ("float32", "float16"):
@@ -92,6 +99,7 @@ def test_float16_training_unscales_the_gradients_before_it_clips_them(tmp_path, 
                                 optimizer=optimizer, **QUICK), verbose=False)
     assert [s["norm"] for s in steps] == pytest.approx([0.05] * 8, rel=1e-3), "steps skipped (overflows?) or unclipped"
     assert clipped[4:] == pytest.approx(clipped[:4], rel=0.05), "float16 clipped other norms than float32"
+    assert scaling == [False, True]
 
 
 def test_accumulated_micro_batches_give_the_gradient_of_the_whole_batch(tmp_path, monkeypatch):
@@ -340,6 +348,9 @@ def test_auto_dtype_is_bf16_where_cpu_matmuls_are_fast_and_large(monkeypatch, tm
     monkeypatch.setattr(runtime, "cpu_bf16_speedup", lambda rows, width: speedup)
     assert runtime.resolve_dtype("auto", torch.device("cpu"), matmul)[0] == expected
     assert runtime.resolve_dtype("float32", torch.device("cpu"), matmul)[0] == torch.float32  # an explicit choice
+    for supported, dtype in ((True, torch.bfloat16), (False, torch.float32)):  # CUDA: bf16 where the GPU has it
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda s=supported: s)
+        assert runtime.resolve_dtype("auto", torch.device("cuda"), matmul)[0] == dtype
 
 
 def test_the_bf16_probe_is_measured_once_per_machine_and_shape_and_then_remembered(monkeypatch, tmp_path):
@@ -402,8 +413,10 @@ def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choic
 
 
 def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, capsys, monkeypatch):
-    """The median ms/step (what compile='auto' weighs, with compile_seconds: none here) and the last line's MFU; the
-    tokens of 9 steps count each one's 2 micro-batches of 4 x 16. MFU's peaks: of the GPUs named, not their variants."""
+    """The median ms/step (what compile='auto' weighs, with compile_seconds: none here, whatever earlier runs in the
+    process compiled) and the last line's MFU; the tokens of 9 steps count each one's 2 micro-batches of 4 x 16.
+    MFU's peaks: of the GPUs named, not their variants."""
+    monkeypatch.setattr(runtime, "compile_time", lambda: 100.0)  # seconds this process has compiled so far
     cfg = tiny_config(tmp_path, max_iters=9, log_interval=2, peak_tflops=1.0, gradient_accumulation_steps=2, **QUICK)
     summary, out = train.train(cfg), capsys.readouterr().out
     lines = re.findall(r"step +(\d+) \|.*\| ([\d.]+) ms/step \| ([\d,]+) tok/s", out)
