@@ -109,6 +109,17 @@ def test_a_worse_estimate_never_replaces_the_best_checkpoint_even_across_a_resum
     assert summary["best_val_loss"] == load_checkpoint(path)["best_val_loss"] == 0.5
 
 
+def test_a_run_whose_estimates_only_get_worse_saves_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    """Step 0's estimate (the init's weights, never saved) is the one to beat: a run that never beats it writes no
+    checkpoint, and its last line says so and how to keep one."""
+    values = iter([1.0, 2.0, 3.0])
+    monkeypatch.setattr(train, "estimate_loss", lambda *a, **k: {"val": next(values), "train": 1.0})
+    cfg = tiny_config(tmp_path, max_iters=4, eval_interval=2, tensorboard=False, exact_val=False)
+    assert train.train(cfg)["checkpoint_step"] is None and not (Path(cfg.out_dir) / CKPT_NAME).exists()
+    assert capsys.readouterr().out.splitlines()[-1] == ("no checkpoint was saved: the val estimate never improved on "
+                                                        "step 0's (--always_save_checkpoint saves at every eval)")
+
+
 def test_resume_trains_on_with_the_dropout_given_on_its_command_line(tmp_path):
     """--resume --dropout=0.5 after a run at 0.0 trains at 0.5: its checkpoint says so, its weights differ."""
     cfg = config(tmp_path, "run", dropout=0.0, max_iters=K)
