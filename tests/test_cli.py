@@ -316,3 +316,5 @@ def test_a_model_of_lines_samples_whole_documents_each_ending_at_the_separator(t
     train.train(cfg, verbose=False)
     code, out, _ = run(capsys, sample, f"--out_dir={cfg.out_dir}", "--num_samples=3", "--max_new_tokens=20")
     assert code == 0 and out.count(DASHES) == 2 and "\x1e" not in out, out
+    args = sample.parse_args([f"--out_dir={cfg.out_dir}"], sample.SampleConfig)
+    assert sample.load(args)[2] == "\x1e"  # its default prompt opens a document, though "\n" is a symbol of it too
