@@ -265,6 +265,7 @@ def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_k
     assert load_checkpoint(tmp_path / "out-mytext" / CKPT_NAME)["config"]["dataset"] == str(other)
     assert train.train(cfg, verbose=False) and (tmp_path / "out-2" / CKPT_NAME).exists()
     assert run_folder(cfg)[0] == tmp_path / "out-3"  # out-2 is taken now too
+    assert run_folder(cfg.replace(dataset="hf:someone/mytext:train"))[0] == tmp_path / "out-mytext-2"  # hf: its name
     seen = []  # the name a write in progress really has: what a SIGKILL would leave
     write_atomic(out / CKPT_NAME, lambda f: seen.extend(set(os.listdir(out)) - set(before)))
     stale = [out / seen[0], out / ".config.json.1234.0badf00d.tmp", out / ".summary.json.1234.0badf00d.tmp"]

@@ -31,7 +31,8 @@ steps = lambda acc, tag: [e.step for e in acc.Scalars(tag)]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     cfg = tiny_config(tmp_path_factory.mktemp("tb"), max_iters=16, sample_tokens=8,  # finished; evaluated as often,
-                      eval_interval=16 * RECIPE.eval_interval // RECIPE.max_iters)  # for its length, as the recipe
+                      eval_interval=16 * RECIPE.eval_interval // RECIPE.max_iters,  # for its length, as the recipe
+                      log_interval=3, peak_tflops=1.0)  # an MFU
     with QUIET:
         train.train(cfg)
     return cfg, events(cfg.out_dir)
@@ -57,8 +58,9 @@ def resumed(tmp_path_factory):
 def test_scalars_are_written_at_every_step_and_every_eval_and_the_fast_cpu_recipe_evaluates_at_least_8_times(run):
     cfg, acc = run
     every, evals = range(cfg.max_iters), sorted({*range(0, cfg.max_iters, cfg.eval_interval), cfg.max_iters})
-    expected = {"loss/train": every, "optim/lr": every, "optim/grad_norm": every, "speed/tokens_per_second": every,
-                "loss/val": evals, "loss/train_estimate": evals, "loss/val_bpc": evals,
+    logs = sorted({*range(0, cfg.max_iters, cfg.log_interval), cfg.max_iters - 1})  # the progress lines' steps
+    expected = {"loss/train": logs, "optim/lr": every, "optim/grad_norm": logs, "speed/tokens_per_second": logs,
+                "speed/mfu": logs, "loss/val": evals, "loss/train_estimate": evals, "loss/val_bpc": evals,
                 "loss/val_exact": [cfg.max_iters], "loss/val_bpc_exact": [cfg.max_iters]}
     for tag, want in expected.items():
         assert steps(acc, tag) == list(want), tag
@@ -76,6 +78,9 @@ def test_the_estimates_are_the_summarys_and_bits_per_character_the_loss_over_ln_
         pairs = list(zip(acc.Scalars(loss), acc.Scalars(bpc), strict=True))
         assert pairs and all(math.isclose(b.value, a.value / math.log(2), rel_tol=1e-6) for a, b in pairs)
     assert math.isclose(written["final_val_bpc"], written["final_val_loss"] / math.log(2), rel_tol=1e-12)
+    # an eval's training seconds: the training clock's (no set-up, no evals), not the wall clock's
+    assert all(h["train_seconds"] < h["wall_seconds"] for h in written["history"])
+    assert written["history"][-1]["train_seconds"] <= written["train_seconds"]
     assert math.isclose(acc.Scalars("loss/val_exact")[0].value, written["final_val_loss"], rel_tol=1e-6)
 
 
