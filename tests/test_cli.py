@@ -145,17 +145,30 @@ def test_a_bad_sample_command_line_is_one_error_line_before_any_text(runs, capsy
 
 # --- train.py without a config; the duration estimate ---------------------------------------------------------------
 
+@pytest.mark.parametrize("program", ["train", "sample"])
+def test_a_reader_gone_before_the_first_line_ends_the_program_quietly(runs, program):
+    """`python train.py --help | head -0`, `python sample.py | head -0`: no "Exception ignored ... BrokenPipeError"."""
+    args = ["--help"] if program == "train" else [f"--ckpt={runs[1]['a_new']}", "--device=cpu"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / f"{program}.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before it writes a byte: its first write fails (EPIPE)
+    err = proc.stderr.read().decode()
+    assert (proc.wait(timeout=60), err) == (0 if program == "train" else 1, "")
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="picks the GPU recipe")
 def test_without_a_config_the_cpu_recipe_trains_into_its_out_dir_and_says_so_first(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus.txt").write_text(TEXT * 100)
     small = dict(dataset="corpus.txt", max_iters=2, eval_interval=1, eval_iters=1, n_layer=1, n_head=2, n_embd=16,
                  block_size=8, batch_size=2, tensorboard=False, exact_val=False)
-    code, out, _ = run(capsys, train, *(f"--{k}={v}" for k, v in small.items()))
+    code, out, _ = run(capsys, train, *(args := [f"--{k}={v}" for k, v in small.items()]))
     assert code == 0 and out.startswith("no config given: training configs/shakespeare_char_cpu_fast.toml, "), out
     recipe = tomllib.loads(CPU_FAST.read_text())
     run_dir = tmp_path / recipe["out_dir"]  # the recipe's out_dir, under the cwd
-    written = json.loads((run_dir / "config.json").read_text())["config"]
+    facts = json.loads((run_dir / "config.json").read_text())
+    assert facts["run"]["argv"] == [sys.argv[0], str(CPU_FAST), *args]  # the command that ran, its recipe named
+    written = facts["config"]
     kept = {k: v for k, v in recipe.items() if k not in small}
     assert {k: written[k] for k in kept} == kept
     assert sum(TrainConfig().to_dict()[k] != v for k, v in kept.items()) >= 5  # the recipe is not the defaults

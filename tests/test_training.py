@@ -423,6 +423,7 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     steps, ms, tok_s = zip(*[(int(s), float(m), float(t.replace(",", ""))) for s, m, t in lines], strict=True)
     assert steps == (0, 2, 4, 6, 8) and summary["steps_this_run"] == 9 == summary["checkpoint_step"]
     assert summary["ms_per_step_median"] == pytest.approx(np.median(ms), abs=0.05) and summary["compile_seconds"] == 0
+    assert summary["peak_memory_mb"]["cpu_rss_mb"] > 50  # a process with torch loaded: MB, not KiB / 1024
     flops = GPT(cfg.model_config(len(set(TEXT)))).flops_per_token(cfg.block_size)
     assert summary["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3)
     assert summary["tokens_per_second"] * summary["train_seconds"] == pytest.approx(9 * 2 * 4 * 16)
