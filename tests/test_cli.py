@@ -143,11 +143,9 @@ def test_a_bad_sample_command_line_is_one_error_line_before_any_text(runs, capsy
     assert out == "" and "'R'" not in err
 
 
-# --- train.py without a config; the duration estimate ---------------------------------------------------------------
-
 @pytest.mark.parametrize("program", ["train", "sample"])
 def test_a_reader_gone_before_the_first_line_ends_the_program_quietly(runs, program):
-    """`python train.py --help | head -0`, `python sample.py | head -0`: no "Exception ignored ... BrokenPipeError"."""
+    """`python train.py --help | head -0`, `python sample.py | head -0`: exit 0 and 1, no BrokenPipeError on stderr."""
     args = ["--help"] if program == "train" else [f"--ckpt={runs[1]['a_new']}", "--device=cpu"]
     proc = subprocess.Popen([sys.executable, str(ROOT / f"{program}.py"), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
@@ -155,6 +153,8 @@ def test_a_reader_gone_before_the_first_line_ends_the_program_quietly(runs, prog
     err = proc.stderr.read().decode()
     assert (proc.wait(timeout=60), err) == (0 if program == "train" else 1, "")
 
+
+# --- train.py without a config; the duration estimate ---------------------------------------------------------------
 
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="picks the GPU recipe")
 def test_without_a_config_the_cpu_recipe_trains_into_its_out_dir_and_says_so_first(tmp_path, monkeypatch, capsys):
