@@ -109,13 +109,19 @@ def test_a_worse_estimate_never_replaces_the_best_checkpoint_even_across_a_resum
     assert summary["best_val_loss"] == load_checkpoint(path)["best_val_loss"] == 0.5
 
 
-def test_a_run_whose_estimates_only_get_worse_saves_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_run_whose_estimates_only_get_worse_saves_nothing_and_says_so(tmp_path, monkeypatch, capsys, overwrite):
     """Step 0's estimate (the init's weights, never saved) is the one to beat: a run that never beats it writes no
-    checkpoint, and its last line says so and how to keep one."""
+    checkpoint, and its last line says so and how to keep one, also over a replaced run's checkpoint (--overwrite)."""
     values = iter([1.0, 2.0, 3.0])
     monkeypatch.setattr(train, "estimate_loss", lambda *a, **k: {"val": next(values), "train": 1.0})
-    cfg = tiny_config(tmp_path, max_iters=4, eval_interval=2, tensorboard=False, exact_val=False)
-    assert train.train(cfg)["checkpoint_step"] is None and not (Path(cfg.out_dir) / CKPT_NAME).exists()
+    cfg = tiny_config(tmp_path, max_iters=4, eval_interval=2, tensorboard=False, exact_val=False, overwrite=overwrite)
+    if overwrite:
+        Path(cfg.out_dir).mkdir()
+        (Path(cfg.out_dir) / CKPT_NAME).write_bytes(b"the replaced run's")
+    assert train.train(cfg)["checkpoint_step"] is None
+    assert (Path(cfg.out_dir) / CKPT_NAME).read_bytes() == b"the replaced run's" if overwrite else \
+        not (Path(cfg.out_dir) / CKPT_NAME).exists()
     assert capsys.readouterr().out.splitlines()[-1] == ("no checkpoint was saved: the val estimate never improved on "
                                                         "step 0's (--always_save_checkpoint saves at every eval)")
 

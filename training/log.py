@@ -107,7 +107,7 @@ class RunLog:
         older = f" (step {saved}, where the val estimate was best; the last step's weights were not saved: " \
             "--always_save_checkpoint keeps them)" if saved is not None and saved != s["steps"] else ""
         self.line(f"checkpoint: {ckpt}{older}; sample it: python sample.py --out_dir={self.cfg.out_dir}"
-                  if ckpt.exists() else "no checkpoint was saved: the val estimate never improved on step 0's "
+                  if saved is not None else "no checkpoint was saved: the val estimate never improved on step 0's "
                   "(--always_save_checkpoint saves at every eval)")
         if self.enabled:
             write_json(Path(self.cfg.out_dir) / "summary.json", summary)
