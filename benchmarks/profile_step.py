@@ -44,10 +44,11 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if not a.startswith("--steps=")]
     if not argv or argv[0].startswith("--"):
         argv = [str(ROOT / "configs" / "shakespeare_char_cpu.toml"), *argv]
-    out = tempfile.mkdtemp(prefix="profile_step-")  # set_up writes config.json there
-    cfg = parse_args([*argv, "--tensorboard=false", "--compile=false", f"--out_dir={out}", f"--max_iters={steps + 20}"])
-    run = train.set_up(cfg, train.init_distributed({}, cfg.device), train.RunGuard(f"{out}/ckpt.pt", False, False), [],
-                       False, time.perf_counter(), None)
+    with tempfile.TemporaryDirectory(prefix="profile_step-") as out:  # set_up writes config.json there; steps don't
+        cfg = parse_args([*argv, "--tensorboard=false", "--compile=false", f"--out_dir={out}",
+                          f"--max_iters={steps + 20}"])
+        run = train.set_up(cfg, train.init_distributed({}, cfg.device), train.RunGuard(f"{out}/ckpt.pt", False, False),
+                           [], False, time.perf_counter(), None)
     for step in range(20):
         train.train_step(run, step)
     times = []

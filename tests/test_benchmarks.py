@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark scripts: each starts, runs a tiny case, and reports what it measured."""
 
 import json
+import tempfile
 
 import numpy as np
 import pytest
@@ -50,8 +51,10 @@ def test_nanogpt_exact_val_scores_a_nanogpt_checkpoint_as_our_exact_loss_scores_
     assert json.loads(capsys.readouterr().out)["exact_val_loss"] == pytest.approx(ours, abs=1e-5)
 
 
-def test_profile_step_splits_a_step_into_kinds_of_operator(tmp_path, capsys):
+def test_profile_step_splits_a_step_into_kinds_of_operator(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its run folder is removed afterwards
     assert profile_step.main([*cli_args(tiny_config(tmp_path)), "--steps=2"]) == 0
+    assert not list(tmp_path.glob("profile_step-*"))
     out = capsys.readouterr().out
     assert "ms a step by the clock" in out and "matmuls" in out and "Python, dispatch, autograd engine" in out
 
