@@ -32,7 +32,7 @@ def two_ranks(tmp_path_factory):
     cfg = tiny_config(tmp_path_factory.mktemp("ddp"), **QUIET)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "train.py", *cli_args(cfg)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path_factory.mktemp("tmp"))})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return cfg, proc.stdout, load_checkpoint(os.path.join(cfg.out_dir, CKPT_NAME))
 
