@@ -69,8 +69,8 @@ def run_folder(cfg: Any) -> tuple[Path, str | None]:
 
 
 def prepare_run_folder(cfg: Any, facts: dict) -> None:
-    """Create out_dir, delete temporary files of killed writes (and, with --overwrite, the replaced run's curves
-    and summary), and write config.json (facts)."""
+    """Create out_dir, delete temporary files of killed writes (and, with --overwrite, the replaced run's checkpoint,
+    curves and summary), and write config.json (facts)."""
     out = Path(cfg.out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -78,8 +78,8 @@ def prepare_run_folder(cfg: Any, facts: dict) -> None:
         raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); give another "
                          "--out_dir") from None
     stale = list(out.glob(".*.tmp"))
-    if cfg.overwrite and not cfg.resume:  # the replaced run's curves would mix with this one's
-        stale += [*out.glob("events.out.tfevents.*"), out / "summary.json"]
+    if cfg.overwrite and not cfg.resume:  # else its curves mix with this one's, its weights pass for this run's
+        stale += [*out.glob("events.out.tfevents.*"), out / "summary.json", out / CKPT_NAME]
     for path in stale:
         path.unlink(missing_ok=True)
     write_json(out / "config.json", facts)

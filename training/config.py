@@ -120,7 +120,8 @@ class TrainConfig:
     dtype: str = opt("auto", "autocast dtype (auto: bfloat16 where fast)", ("auto", "float32", "bfloat16", "float16"))
     compile: str = opt("auto", "torch.compile the model (auto = on for CUDA)", ("auto", "true", "false"))
     resume: bool = opt(False, "continue from out_dir/ckpt.pt")
-    overwrite: bool = opt(False, "replace the run in out_dir (default: a run there is kept; this one goes beside it)")
+    overwrite: bool = opt(False, "replace the run in out_dir, deleting its checkpoint, summary and curves at the "
+                                 "start (default: a run there is kept; this one goes beside it)")
     peak_tflops: float = opt(0.0, "device peak TFLOP/s for MFU (0 = known GPUs only)", rule=">= 0")
 
     def __post_init__(self) -> None:
