@@ -14,6 +14,7 @@ from data import SEPARATOR, CharTokenizer, decode_utf8
 from model import GPT
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
 from training.config import check_fields, opt, parse_args, print_help
+from training.faults import exit_code
 from training.runtime import reproducible_blas
 from training.visualize import prompt_attention, render_attention
 
@@ -123,7 +124,7 @@ def sample(args: SampleConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line; exit status 0, or 1 for a refused option or input."""
+    """Command line; exit status 0, 1 for a refused option or input, 130 for Ctrl-C."""
     argv = sys.argv[1:] if argv is None else argv
     reproducible_blas()
     if print_help(argv, SampleConfig):
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # reader gone (`sample.py | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the text so far stays, and no traceback follows it
+        print("\n[interrupted]", file=sys.stderr)
+        return exit_code("SIGINT")
     return 0
 
 

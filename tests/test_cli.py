@@ -267,6 +267,20 @@ def test_num_samples_are_three_texts_between_dashed_lines_and_top_k_0_means_ever
     assert cached == [True, False]
 
 
+def test_ctrl_c_while_sampling_keeps_the_text_so_far_and_exits_130_without_a_traceback(sample_a, monkeypatch):
+    real, drawn = model.gpt.sample_next, []
+    def interrupted(*args):  # the 4th token's draw is where Ctrl-C lands
+        if len(drawn) == 3:
+            raise KeyboardInterrupt
+        return drawn.append(1) or real(*args)
+    monkeypatch.setattr(model.gpt, "sample_next", interrupted)
+    try:
+        code, out, err = sample_a("--prompt=ROMEO:", "--max_new_tokens=10")
+    except KeyboardInterrupt:  # not out of the test session
+        pytest.fail("Ctrl-C escaped sample.main: the user gets a traceback")
+    assert (code, len(out), out[:6]) == (130, len("ROMEO:") + 3, "ROMEO:") and err == "\n[interrupted]\n", err
+
+
 def test_an_sdpa_run_draws_its_attention_maps_in_tensorboard_and_by_a_bare_attention_png_in_out_dir(tmp_path, capsys):
     """sdpa returns no weights, yet the eval snapshots and --attention_png draw them (every layer, blue cells)."""
     cfg = tiny_config(tmp_path, attn_backend="sdpa", max_iters=2, eval_interval=2, sample_tokens=0, exact_val=False)
