@@ -1,5 +1,5 @@
-"""Shared fixtures (helpers are in tests/tiny.py), and the mask command's report: one line per failing test,
-leaks first (python -m pytest -m mask; add --tb=short for tracebacks)."""
+"""Shared fixtures (helpers are in tests/tiny.py), and the mask command's report: an import error's own lines, then
+one line per kind of failure, leaks first (python -m pytest -m mask; add --tb=short for tracebacks)."""
 
 import atexit
 import os
@@ -7,6 +7,7 @@ import re
 import shutil
 import sys
 import tempfile
+import textwrap
 
 import pytest
 
@@ -54,6 +55,7 @@ def pytest_addoption(parser):
 
 
 _failures: list[tuple[str, str]] | None = None  # (test, first line) in a mask run
+_unimportable: dict[str, list[str]] = {}  # in a mask run: an import error's lines -> the test files it stopped
 
 
 def pytest_configure(config):
@@ -79,8 +81,18 @@ def pytest_runtest_logreport(report):
         _failures.append((report.nodeid.split("::")[-1], line))
 
 
+def pytest_collectreport(report):
+    if report.failed and _failures is not None:  # an edit that does not import (a typo): its error's own lines
+        error = textwrap.dedent("\n".join(line[1:] for line in str(report.longrepr).splitlines() if line[:2] == "E "))
+        _unimportable.setdefault(error or str(report.longrepr), []).append(report.nodeid)
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Failures grouped by what they say (a check's line is "FAIL name — what | figures"), leaks first."""
+    """Import errors, then failures grouped by what they say (a check's line is "FAIL name — what | figures"),
+    leaks first."""
+    for error, files in _unimportable.items():
+        terminalreporter.write_sep("=", f"the code does not import ({len(files)} test files stopped): nothing ran")
+        terminalreporter.write_line(f"{error}\n  [importing {', '.join(files)}]")
     if not _failures:
         return
     groups: dict[str, list[tuple[str, str]]] = {}  # a leak's pair stays apart; other numbers do not

@@ -1,6 +1,8 @@
 """The suite proves it bites: every catalogued bug (tests/mutants.py), put in place of the real
 piece, makes one of the suite's own checks fail, saying what kind of bug it is (a LEAK, or a mask that is
-not the declared rule), and the real code passes them all."""
+not the declared rule), and the real code passes them all. The mask command's report says what broke, and where."""
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,23 +31,47 @@ def test_every_mutant_is_caught_and_named_for_what_it_is(mutant, monkeypatch, re
     assert mutant.says in str(failed), f"mutant {mutant.name!r} was caught as: {failed}"
 
 
-def test_the_mask_report_puts_leaks_first_one_whole_line_per_kind_saying_where(monkeypatch):
-    """What the mask command prints after its failures (tests/conftest.py, from their first lines), even in a narrow
-    terminal."""
+
+def mask_report(monkeypatch, failures: list[tuple[str, str]], broken: dict[str, list[str]] | None = None) -> list[str]:
+    """The lines the mask command's summary (tests/conftest.py) writes for these failures, in a narrow terminal."""
     import conftest
 
+    monkeypatch.setattr(conftest, "_failures", failures)
+    monkeypatch.setattr(conftest, "_unimportable", broken or {})
+    monkeypatch.setenv("COLUMNS", "40")
+    lines = []
+    conftest.pytest_terminal_summary(SimpleNamespace(write_sep=lambda sep, title: lines.append(title),
+                                                     write_line=lines.append))
+    return lines
+
+
+def test_the_mask_report_puts_leaks_first_one_whole_line_per_kind_saying_where(monkeypatch):
+    """Each failing test's first line, without its figures, grouped by what it says, and where."""
     what = "no leak, but not the causal rule: query 4 does not read key 0, which the rule allows"
-    monkeypatch.setattr(conftest, "_failures", [
+    assert mask_report(monkeypatch, [
         ("test_a", f"mask: causal_mask (the causal rule) — {what} | max change where none allowed 0"),
         ("test_b", "model: perturbation (manual) — LEAK: query 0 reads key 1 (1 ahead) | max 0.5"),
         ("test_c", f"model: decoding — {what} | min change where one is required 0"),
-        ("test_d", "assert 1 == 2")])
-    monkeypatch.setenv("COLUMNS", "40")
-    lines = []
-    reporter = type("Reporter", (), {"write_sep": lambda self, sep, title: lines.append(title),
-                                     "write_line": lambda self, line: lines.append(line)})()
-    conftest.pytest_terminal_summary(reporter)
-    assert lines == ["4 failed (python -m pytest -m mask --tb=short for tracebacks)",
-                     "LEAK: query 0 reads key 1 (1 ahead)  [model: perturbation (manual)]",
-                     f"{what}  [mask: causal_mask (the causal rule) and 1 more]",
-                     "assert 1 == 2  [test_d]"]
+        ("test_d", "assert 1 == 2")]) == [
+        "4 failed (python -m pytest -m mask --tb=short for tracebacks)",
+        "LEAK: query 0 reads key 1 (1 ahead)  [model: perturbation (manual)]",
+        f"{what}  [mask: causal_mask (the causal rule) and 1 more]",
+        "assert 1 == 2  [test_d]"]
+
+
+def test_the_mask_report_shows_where_an_edit_that_does_not_import_broke(monkeypatch):
+    """A typo in the edited code stops every test file's import: the error's own lines, once (pytest's hidden)."""
+    import conftest
+
+    lines = ["tests/test_a.py:8: in <module>", "    from model.attention import visible",
+             'E     File "model/attention.py", line 29', "E       allowed = k_pos <=", "E                        ^",
+             "E   SyntaxError: invalid syntax"]
+    broken: dict[str, list[str]] = {}
+    monkeypatch.setattr(conftest, "_failures", [])
+    monkeypatch.setattr(conftest, "_unimportable", broken)
+    for nodeid in ("tests/test_a.py", "tests/test_b.py"):
+        conftest.pytest_collectreport(SimpleNamespace(failed=True, longrepr="\n".join(lines), nodeid=nodeid))
+    want = ['  File "model/attention.py", line 29', "    allowed = k_pos <=", "                     ^",
+            "SyntaxError: invalid syntax", "  [importing tests/test_a.py, tests/test_b.py]"]
+    assert mask_report(monkeypatch, [], broken) == [
+        "the code does not import (2 test files stopped): nothing ran", "\n".join(want)]
