@@ -18,6 +18,7 @@ import argparse
 import math
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import data  # noqa: E402
 import data.text  # noqa: E402
@@ -504,7 +506,10 @@ def run_check(name: str, fn: Callable[..., Check], *args) -> Check:
     try:
         check = fn(*args)
     except Exception as e:  # noqa: BLE001 - every failure mode of the code under test counts
-        return Check(name, False, math.nan, math.nan, f"raised {type(e).__name__}: {e}")
+        code = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).is_relative_to(ROOT)
+                and not Path(f.filename).is_relative_to(ROOT / "tests")]  # where the code under test raised
+        where = f" ({Path(code[-1].filename).relative_to(ROOT)}:{code[-1].lineno})" if code else ""
+        return Check(name, False, math.nan, math.nan, f"raised {type(e).__name__}: {e}{where}")
     check.name = name
     return check
 

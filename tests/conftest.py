@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ torch.set_num_threads(1)
 # remembered measurements and compile markers (training/runtime.py) go to a folder of this session, never the user's
 os.environ["XDG_CACHE_HOME"] = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpt-char-tests-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)  # nothing left in /tmp
+ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("LEAK", "query", "no leak")  # the report's order: leaks, queries blind to their own key, other rules
 
 
@@ -78,6 +80,8 @@ def pytest_runtest_logreport(report):
         crash = getattr(report.longrepr, "reprcrash", None)
         text = (crash.message if crash else str(report.longrepr)).strip() or "failed"
         line = text.splitlines()[0].removeprefix("Failed: ").removeprefix("AssertionError: ").removeprefix("FAIL ")
+        if crash and Path(crash.path).is_relative_to(ROOT) and not Path(crash.path).is_relative_to(ROOT / "tests"):
+            line += f" ({Path(crash.path).relative_to(ROOT)}:{crash.lineno})"  # the code raised: where
         _failures.append((report.nodeid.split("::")[-1], line))
 
 

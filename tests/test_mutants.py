@@ -2,6 +2,7 @@
 piece, makes one of the suite's own checks fail, saying what kind of bug it is (a LEAK, or a mask that is
 not the declared rule), and the real code passes them all. The mask command's report says what broke, and where."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -75,3 +76,18 @@ def test_the_mask_report_shows_where_an_edit_that_does_not_import_broke(monkeypa
             "SyntaxError: invalid syntax", "  [importing tests/test_a.py, tests/test_b.py]"]
     assert mask_report(monkeypatch, [], broken) == [
         "the code does not import (2 test files stopped): nothing ran", "\n".join(want)]
+
+
+def test_an_error_the_code_raises_is_reported_with_its_file_and_line(monkeypatch):
+    """By the report (a test that raised) and by a check (run_check's "raised ..."): the code's frame, not a test's."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "_failures", failures := [])
+    for path in (conftest.ROOT / "model" / "attention.py", conftest.ROOT / "tests" / "causality.py"):
+        crash = SimpleNamespace(path=str(path), lineno=29, message="NameError: name 'x' is not defined")
+        conftest.pytest_runtest_logreport(SimpleNamespace(failed=True, longrepr=SimpleNamespace(reprcrash=crash),
+                                                          nodeid="tests/test_x.py::test_a"))
+    assert failures == [("test_a", "NameError: name 'x' is not defined (model/attention.py:29)"),
+                        ("test_a", "NameError: name 'x' is not defined")]
+    check = C.run_check("mask: empty", lambda: C.attn_lib.causal_mask(0, 1))
+    assert re.fullmatch(r"raised ValueError: causal_mask needs .* \(model/attention\.py:\d+\)", check.detail), check
