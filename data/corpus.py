@@ -38,7 +38,8 @@ class CharTokenizer:
         ids = table[codes]
         if (ids < 0).any():
             unknown = ", ".join(repr(chr(c)) for c in np.unique(codes[ids < 0]))
-            raise ValueError(f"characters not in the vocabulary: {unknown}")
+            raise ValueError(f"characters not in the vocabulary: {unknown}; use these {self.vocab_size}: "
+                             f"{''.join(self.chars)!r}")
         return ids.astype(TOKEN_DTYPE)
 
     def decode(self, ids: Iterable[int]) -> str:
