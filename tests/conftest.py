@@ -63,7 +63,7 @@ _unimportable: dict[str, list[str]] = {}  # in a mask run: an import error's lin
 def pytest_configure(config):
     global _failures
     explicit_tb = any(a.startswith("--tb") for a in config.invocation_params.args)
-    if "mask" in (config.getoption("markexpr") or "") and not explicit_tb:
+    if (config.getoption("markexpr") or "").strip() == "mask" and not explicit_tb:  # not "not mask"
         config.option.tbstyle, config.option.reportchars = "no", ""  # the summary below replaces both
         _failures = []
 

@@ -154,6 +154,14 @@ def test_a_reader_gone_before_the_first_line_ends_the_program_quietly(runs, prog
     assert (proc.wait(timeout=60), err) == (0 if program == "train" else 1, "")
 
 
+def test_the_mask_command_and_its_complement_collect_what_they_say():
+    """-m mask skips the files that hold no mask test; -m "not mask" (the rest of the suite) must not."""
+    collect = lambda expr: subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", expr,
+                                           "--collect-only", "-q", "tests"], cwd=ROOT, capture_output=True,
+                                          text=True, timeout=120).stdout
+    assert re.search(r"tests/test_cli.py: \d+", collect("not mask")) and "test_cli" not in collect("mask")
+
+
 # --- train.py without a config; the duration estimate ---------------------------------------------------------------
 
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="picks the GPU recipe")
