@@ -107,6 +107,9 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         return finish(run, done, stop)
     except KeyboardInterrupt:  # a second Ctrl-C: say what is on disk
         raise KeyboardInterrupt(guard.kept()) from None
+    except Exception as e:  # under a bug's traceback too (one-line errors say it themselves)
+        e.add_note(f"the run stopped at this error, saving nothing: {guard.kept()}")
+        raise
     finally:
         guard.disarm()
         close_distributed(dist)

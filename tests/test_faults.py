@@ -307,6 +307,16 @@ def test_a_fault_stops_the_run_with_one_error_line_and_the_last_checkpoint_byte_
     assert path.read_bytes() == good and temp_files(path.parent) == set()
 
 
+def test_a_bug_mid_run_shows_its_traceback_and_then_that_the_last_checkpoint_is_untouched(run_dir, monkeypatch):
+    cfg, path = run_dir[0], run_dir[1] / CKPT_NAME
+    good = path.read_bytes()
+    monkeypatch.setattr(train, "train_step", lambda run, step: [][step])  # an IndexError at step 4
+    with pytest.raises(IndexError) as raised:
+        train.main(cli_args(cfg))
+    assert raised.value.__notes__ == [f"the run stopped at this error, saving nothing: {path} is untouched"]
+    assert path.read_bytes() == good
+
+
 def test_a_non_finite_loss_before_any_save_says_no_checkpoint_was_written(tmp_path, monkeypatch):
     instrument(monkeypatch, loss_times(NAN, 3))
     with pytest.raises(FloatingPointError, match=r"loss is nan at step 2; .*: no checkpoint was written"):
