@@ -243,6 +243,7 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
     ("--beta2=1", "beta2 must be in [0, 1), got 1.0"), ("--min_lr=1", "min_lr=1.0 exceeds learning_rate"),
     ("--n_layer=four", "n_layer: 'four' is not a valid int"), ("--split=train", "applies to hf: datasets only"),
     ("--device=tpu", "device must be one of auto, cpu, cuda, cuda:N, mps, got 'tpu'"),
+    ("--dataset=", "dataset must be non-empty, got ''"), ("--out_dir=", "out_dir must be non-empty, got ''"),
     ("--warmup_iters=10 --lr_decay_iters=0 --max_iters=50", "lr_decay_iters=0 ends the decay before warmup_iters=10")])
 def test_an_invalid_value_is_refused_naming_the_field(override, match):
     with pytest.raises(ValueError, match=re.escape(match)):

@@ -24,6 +24,7 @@ RANGES = {  # a field's `rule`; GPTConfig checks the model's fields
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in [0, 2**62]": lambda v: 0 <= v <= MAX_SEED,
+    "non-empty": lambda v: v.strip() != "",  # "" is Path("."): a run into, or of, the current folder
     "one of auto, cpu, cuda, cuda:N, mps": lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None,
 }
 BOOLS = dict.fromkeys(("true", "1", "yes", "on"), True) | dict.fromkeys(("false", "0", "no", "off"), False)
@@ -73,13 +74,14 @@ class TrainConfig:
         "usage: python train.py [CONFIG.toml] [--field=value ...]", "",
         "Trains a character-level GPT (no config: the recipe for this machine). The TOML file",
         "(e.g. configs/debug.toml) goes first, then overrides; a bare --flag sets a bool.", "", "fields:")
-    dataset: str = opt("shakespeare_char", "shakespeare_char (bundled), a .txt file or folder, or hf:NAME[:SPLIT]")
+    dataset: str = opt("shakespeare_char", "shakespeare_char or surnames (bundled), a .txt file or folder, or "
+                                           "hf:NAME[:SPLIT]", rule="non-empty")
     split: str = opt("", "hf: only: split ('' = all, concatenated)")
     text_column: str = opt("", "hf: only: text column ('' = 'text' or the only string column)")
     documents: str = opt("", "a document per line or per blank-line-separated paragraph of a file ('' = the file "
                              "is one text; a folder's files and an hf: dataset's rows are documents anyway)", DOCUMENTS)
     doc_mask: bool = opt(False, "no query reads a key of another document (needs documents)")
-    out_dir: str = opt("out", "run folder: checkpoint, summary, config, TensorBoard events")
+    out_dir: str = opt("out", "run folder: checkpoint, summary, config, TensorBoard events", rule="non-empty")
     n_layer: int = opt(6, "transformer blocks")
     n_head: int = opt(6, "attention heads (must divide n_embd)")
     n_embd: int = opt(384, "embedding width")
