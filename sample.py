@@ -30,11 +30,11 @@ class SampleConfig:
     FIELD: ClassVar[str] = "--"
     USAGE: ClassVar[tuple[str, ...]] = HELP_HEAD
 
-    out_dir: str | None = opt(None, "run dir holding ckpt.pt; None = newest under out/")
-    ckpt: str | None = opt(None, "checkpoint file instead of OUT_DIR/ckpt.pt")
+    out_dir: str | None = opt(None, "run dir holding ckpt.pt; None = newest under out/", rule="non-empty")
+    ckpt: str | None = opt(None, "checkpoint file instead of OUT_DIR/ckpt.pt", rule="non-empty")
     prompt: str | None = opt(None, "text to continue; None = a newline, or a new document for a model trained on "
                                    "documents (each sample then ends where its document does)")
-    prompt_file: str | None = opt(None, "UTF-8 file holding the prompt")
+    prompt_file: str | None = opt(None, "UTF-8 file holding the prompt", rule="non-empty")
     max_new_tokens: int = opt(500, "characters per sample", rule=">= 0")
     temperature: float = opt(0.8, "0 = greedy; < 1 sharper, > 1 more random")
     top_k: int = opt(200, "keep the k likeliest tokens (0 = all)", rule=">= 0")
