@@ -230,6 +230,12 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
     assert (cfg.n_layer, cfg.dropout, cfg.bias, cfg.dataset, cfg.compile, cfg.overwrite, cfg.exact_val) == (
         4, 0.1, True, "x.txt", "true", True, False)
     assert parse_args(["--max_iters=50", "--lr_decay_iters=50"]).warmup_iters == 100  # ends in its warmup: no decay
+    spaced = parse_args(["--compile", "auto", "--resume", "on", "--exact_val", "off"])  # a value after a bare flag
+    assert (spaced.compile, spaced.resume, spaced.exact_val) == ("auto", True, False)
+    for argv in (["--resume", str(path)], ["--max_iters=5", str(path)]):  # the file out of place
+        with pytest.raises(ValueError, match=re.escape(f"unexpected argument {str(path)!r}: the config file comes "
+                                                       "first, then the --field=value overrides")):
+            parse_args(argv)
     assert cfg.learning_rate == 1.0 == cfg.min_lr and isinstance(cfg.learning_rate, float)  # TOML's 1; lr = min_lr: ok
     path.write_text("max_iters = true\n")  # TOML's true is no int, though Python's bool is one
     with pytest.raises(ValueError, match=re.escape("config field max_iters must be int, got True")):

@@ -187,13 +187,15 @@ def parse_values(argv: list[str], kind: type = TrainConfig) -> dict[str, Any]:
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}: " + ("only the config file comes without --"
-                                                               if kind is TrainConfig else "options start with --"))
+            raise ValueError(f"unexpected argument {arg!r}: " + ("the config file comes first, then the --field=value "
+                                                               "overrides" if kind is TrainConfig else
+                                                               "options start with --"))
         key, eq, text = arg[2:].partition("=")
         check_key(key, kind)
         value_type, bare = field_type(fields[key]), fields[key].metadata["bare"]
-        if not eq:
-            given = bool(args) and not args[0].startswith("--")
+        if not eq:  # --flag VALUE, or a bare flag (then `--resume configs/x.toml` leaves the file out of place)
+            given = bool(args) and not args[0].startswith("--") and (
+                bare is None or args[0].lower() in BOOLS or args[0] in (fields[key].metadata["choices"] or ()))
             if not given and bare is None:
                 raise ValueError(f"{kind.KEY} {key} needs a value: --{key}=VALUE")
             text = args.pop(0) if given else bare
