@@ -236,6 +236,13 @@ def test_an_uncached_hub_id_offline_fails_in_seconds_saying_how_to_pass_a_local_
     assert os.environ["HF_HUB_OFFLINE"] == "1"
 
 
+def test_the_hub_is_reachable_when_hf_endpoint_accepts_a_connection(monkeypatch):
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a local endpoint: no network
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert data.text.hub_reachable()
+    assert not data.text.hub_reachable()  # closed: refused
+
+
 def test_documents_are_lines_or_paragraphs_each_opened_by_the_separator_which_predicts_their_first_char(tmp_path):
     """documents="lines"/"paragraphs" (non-empty lines, blank-line-separated blocks; without it a file is one text);
     one holding the separator is refused; at a boundary the last character predicts the separator."""
