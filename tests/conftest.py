@@ -53,7 +53,7 @@ def run_dir(finished, tmp_path):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--ckpt", default=None, help="also run the causality checks on this trained checkpoint")
+    parser.addoption("--ckpt", default=None, help="--ckpt=PATH: also check this trained checkpoint (causality.py)")
 
 
 _failures: list[tuple[str, str]] | None = None  # (test, first line) in a mask run

@@ -3,7 +3,8 @@ mask, attention alone, and the model's perturbation, gradient, prefix, cache and
 of the model's options, with and without a window and documents. Every check lives in tests/causality.py, with its
 positive control; a failure says LEAK with the (query, key) pair and layer, or how the mask differs from the rule.
 
-On a trained model:  python -m pytest tests/test_causality.py -k checkpoint --ckpt out/RUN/ckpt.pt -s
+On a trained model:  python -m pytest -m mask -k checkpoint --ckpt=out/RUN/ckpt.pt -s  (with "=": pytest reads a bare
+path as a test path)
 """
 
 import dataclasses
