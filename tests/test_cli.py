@@ -132,6 +132,7 @@ def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, 
     ("--top-k=5", "unknown option 'top-k'; did you mean top_k"), ("--temprature=0", "did you mean temperature?"),
     ("--seed=-1", "--seed must be in [0, 2**62], got -1"), ("--top_k=x", "option top_k: 'x' is not a valid int"),
     ("--prompt", "option prompt needs a value: --prompt=VALUE"), ("--top_k=-1", "--top_k must be >= 0, got -1"),
+    ("--prompt --seed=1", "option prompt needs a value"),  # an option next is no value
     ("--max_new_tokens=-1", "--max_new_tokens must be >= 0, got -1"), ("--ckpt=", "--ckpt must be non-empty, got ''"),
     ("--out_dir=", "--out_dir must be non-empty"), ("--prompt_file=", "--prompt_file must be non-empty"),
     ("{ckpt} --slide=17", "slide must be an integer in [1, block_size=16], got 17"),
