@@ -24,6 +24,7 @@ class CharTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Symbols in the vocabulary: ids are 0 .. vocab_size - 1."""
         return len(self.chars)
 
     def encode(self, text: str) -> list[int]:
@@ -43,13 +44,16 @@ class CharTokenizer:
         return ids.astype(TOKEN_DTYPE)
 
     def decode(self, ids: Iterable[int]) -> str:
+        """ids (N,) -> str of N characters."""
         return "".join(self.chars[int(i)] for i in ids)
 
     def to_dict(self) -> dict:
+        """The vocabulary as a checkpoint stores it (plain data)."""
         return {"chars": list(self.chars)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CharTokenizer":
+        """The tokenizer to_dict stored; ValueError for anything else."""
         if not isinstance(d, dict) or not isinstance(d.get("chars"), list):
             raise ValueError("a tokenizer dict needs a 'chars' list")
         return cls(d["chars"])

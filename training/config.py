@@ -147,9 +147,11 @@ class TrainConfig:
         return GPTConfig(vocab_size=vocab_size, doc_sep=doc_sep, **{n: getattr(self, n) for n in names})
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name (config.json, checkpoints)."""
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> Self:
+        """A copy with changes, validated again."""
         return dataclasses.replace(self, **changes)
 
 

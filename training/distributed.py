@@ -22,6 +22,7 @@ class Dist:
 
     @property
     def is_main(self) -> bool:
+        """Rank 0: the process that logs, evaluates and writes."""
         return self.rank == 0
 
     def micro_steps(self, gradient_accumulation_steps: int) -> int:
@@ -45,6 +46,7 @@ class Dist:
 
 
 def launched_by_torchrun(env: Mapping[str, str]) -> bool:
+    """Whether env holds the variables torchrun sets for each process."""
     return all(name in env for name in LAUNCH_VARS)
 
 
@@ -72,5 +74,6 @@ def init_distributed(env: Mapping[str, str], device_name: str) -> Dist:
 
 
 def close_distributed(info: Dist) -> None:
+    """Destroy the process group init_distributed made, if any."""
     if info.enabled and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

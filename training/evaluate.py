@@ -36,8 +36,8 @@ def _bar(total: int, desc: str, show: bool) -> tqdm:
 
 @torch.no_grad()
 def estimate_loss(model: nn.Module, splits: dict[str, Tensor], cfg: Any, device: torch.device | str, *,
-                  autocast=None, batches_per_forward: int = 1, stop: Callable[[], bool] = lambda: False,
-                  show: bool = False) -> dict[str, float]:
+                  autocast: contextlib.AbstractContextManager | None = None, batches_per_forward: int = 1,
+                  stop: Callable[[], bool] = lambda: False, show: bool = False) -> dict[str, float]:
     """Mean loss over cfg.eval_iters batches (cfg.batch_size, cfg.block_size) of each split (N,), drawn from a
     generator seeded cfg.seed + 1 at every call (every eval reads the same windows; training's draw untouched);
     raises Stopped if stop() before a forward."""
@@ -62,8 +62,8 @@ def estimate_loss(model: nn.Module, splits: dict[str, Tensor], cfg: Any, device:
 
 
 @torch.no_grad()
-def exact_loss(model: nn.Module, data: Tensor, block_size: int, batch_size: int,
-               device: torch.device | str, *, autocast=None, stop: Callable[[], bool] = lambda: False,
+def exact_loss(model: nn.Module, data: Tensor, block_size: int, batch_size: int, device: torch.device | str, *,
+               autocast: contextlib.AbstractContextManager | None = None, stop: Callable[[], bool] = lambda: False,
                show: bool = False) -> float:
     """Mean cross-entropy over each target of a split (N,) once, in its eval_windows window."""
     windows = eval_windows(data, block_size)

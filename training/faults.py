@@ -60,6 +60,7 @@ class RunGuard:
 
 
 def signal_name(signum: int) -> str:
+    """2 -> 'SIGINT'."""
     return signal.Signals(signum).name
 
 

@@ -29,6 +29,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
+        """One update of every parameter with a gradient: momentum, then its orthogonalised direction times lr."""
         for group in self.param_groups:
             lr, beta = group["lr"], group["momentum"]
             by_shape: dict[torch.Size, list[Tensor]] = {}  # same shapes: one batched product

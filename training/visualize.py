@@ -41,6 +41,7 @@ class Layout:
 
     @property
     def size(self) -> tuple[int, int]:
+        """(width, height) of the whole image in pixels."""
         x, y = self.origin(self.rows, self.cols)
         return max(x - self.label, 330), y - self.title - self.label + self.scale
 
