@@ -123,6 +123,13 @@ def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, 
         assert run(capsys, train, *argv, "--block_size=9")[0] == 0
 
 
+def test_sample_options_take_a_value_after_a_space_and_a_bare_flag_takes_none():
+    got = parse_args(["--attention_png", "m.png", "--no_cache", "--prompt", "RO", "--top_k", "5"], sample.SampleConfig)
+    assert got == sample.SampleConfig(attention_png="m.png", no_cache=True, prompt="RO", top_k=5)
+    with pytest.raises(ValueError, match="unexpected argument 'm.png'"):
+        parse_args(["--no_cache", "m.png"], sample.SampleConfig)
+
+
 @pytest.mark.parametrize("argv, fragment", [  # {ckpt}: --ckpt=a_new's --device=cpu; {path}: a_new's checkpoint
     ("{ckpt} --temperature=-1", "temperature must be a finite number >= 0, got -1.0"),
     ("{ckpt} --top_p=0", "top_p must be in (0, 1], got 0.0"), ("{ckpt} --num_samples=0", "--num_samples must be >= 1"),

@@ -232,6 +232,8 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
     assert parse_args(["--max_iters=50", "--lr_decay_iters=50"]).warmup_iters == 100  # ends in its warmup: no decay
     spaced = parse_args(["--compile", "auto", "--resume", "on", "--exact_val", "off"])  # a value after a bare flag
     assert (spaced.compile, spaced.resume, spaced.exact_val) == ("auto", True, False)
+    with pytest.raises(ValueError, match=re.escape("config field dtype='fp16' is not one of auto, float32")):
+        parse_args(["--dtype", "fp16"])  # a choice without a bare value takes any next word, to refuse it
     for argv in (["--resume", str(path)], ["--max_iters=5", str(path)]):  # the file out of place
         with pytest.raises(ValueError, match=re.escape(f"unexpected argument {str(path)!r}: the config file comes "
                                                        "first, then the --field=value overrides")):

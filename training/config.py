@@ -194,10 +194,12 @@ def parse_values(argv: list[str], kind: type = TrainConfig) -> dict[str, Any]:
                                                                "options start with --"))
         key, eq, text = arg[2:].partition("=")
         check_key(key, kind)
-        value_type, bare = field_type(fields[key]), fields[key].metadata["bare"]
-        if not eq:  # --flag VALUE, or a bare flag (then `--resume configs/x.toml` leaves the file out of place)
+        meta = fields[key].metadata
+        value_type, bare, choices = field_type(fields[key]), meta["bare"], meta["choices"] or ()
+        if not eq:  # --name VALUE; a flag takes only a bool or a choice (`--resume configs/x.toml`: a bare flag)
+            flag = bare is not None and (value_type is bool or bool(choices))
             given = bool(args) and not args[0].startswith("--") and (
-                bare is None or args[0].lower() in BOOLS or args[0] in (fields[key].metadata["choices"] or ()))
+                not flag or args[0].lower() in BOOLS or args[0] in choices)
             if not given and bare is None:
                 raise ValueError(f"{kind.KEY} {key} needs a value: --{key}=VALUE")
             text = args.pop(0) if given else bare
