@@ -2,6 +2,7 @@
 one line per kind of failure, leaks first (python -m pytest -m mask; add --tb=short for tracebacks)."""
 
 import atexit
+import linecache
 import os
 import re
 import shutil
@@ -82,6 +83,9 @@ def pytest_runtest_logreport(report):
         line = text.splitlines()[0].removeprefix("Failed: ").removeprefix("AssertionError: ").removeprefix("FAIL ")
         if crash and Path(crash.path).is_relative_to(ROOT) and not Path(crash.path).is_relative_to(ROOT / "tests"):
             line += f" ({Path(crash.path).relative_to(ROOT)}:{crash.lineno})"  # the code raised: where
+        elif crash and line in ("assert False", "assert not True"):  # a bare assert says nothing: its statement does
+            where = f"{Path(crash.path).name}:{crash.lineno}"
+            line = f"{linecache.getline(crash.path, crash.lineno).strip()} failed ({where})"
         _failures.append((report.nodeid.split("::")[-1], line))
 
 

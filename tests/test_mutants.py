@@ -87,7 +87,12 @@ def test_an_error_the_code_raises_is_reported_with_its_file_and_line(monkeypatch
         crash = SimpleNamespace(path=str(path), lineno=29, message="NameError: name 'x' is not defined")
         conftest.pytest_runtest_logreport(SimpleNamespace(failed=True, longrepr=SimpleNamespace(reprcrash=crash),
                                                           nodeid="tests/test_x.py::test_a"))
+    bare = SimpleNamespace(path=__file__, lineno=test_real_code_passes_every_check.__code__.co_firstlineno + 1,
+                           message="assert False\n +  where False = ...")  # a bare assert in a test: its statement
+    conftest.pytest_runtest_logreport(SimpleNamespace(failed=True, longrepr=SimpleNamespace(reprcrash=bare),
+                                                      nodeid="tests/test_x.py::test_b"))
     assert failures == [("test_a", "NameError: name 'x' is not defined (model/attention.py:29)"),
-                        ("test_a", "NameError: name 'x' is not defined")]
+                        ("test_a", "NameError: name 'x' is not defined"),
+                        ("test_b", f"C.require(*real_checks) failed (test_mutants.py:{bare.lineno})")]
     check = C.run_check("mask: empty", lambda: C.attn_lib.causal_mask(0, 1))
     assert re.fullmatch(r"raised ValueError: causal_mask needs .* \(model/attention\.py:\d+\)", check.detail), check
