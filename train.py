@@ -8,6 +8,7 @@ it, in this file, which takes its batch from data/corpus.py and its forward from
 import contextlib
 import math
 import os
+import shutil
 import sys
 import time
 import timeit
@@ -79,6 +80,7 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     """Run cfg, one rank under torchrun; returns summary.json's dict. verbose=False: no output."""
     t_start = time.perf_counter()
     out_dir, moved = checkpoint.run_folder(cfg)  # never into another run's folder, unless asked
+    fresh, done = not out_dir.exists(), 0  # a run that made its folder and fails before a step leaves no folder
     cfg = cfg.replace(out_dir=str(out_dir))
     dist = init_distributed(os.environ, cfg.device)
     guard = RunGuard(out_dir / checkpoint.CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
@@ -105,10 +107,12 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             if stop is not None:
                 break
         return finish(run, done, stop)
-    except KeyboardInterrupt:  # a second Ctrl-C: say what is on disk
-        raise KeyboardInterrupt(guard.kept()) from None
-    except Exception as e:  # under a bug's traceback too (one-line errors say it themselves)
-        e.add_note(f"the run stopped at this error, saving nothing: {guard.kept()}")
+    except (KeyboardInterrupt, Exception) as e:
+        if fresh and not done and dist.is_main:  # a retry then writes to the same folder, not NAME-2, NAME-3, ...
+            shutil.rmtree(out_dir, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: say what is on disk
+            raise KeyboardInterrupt(guard.kept()) from None
+        e.add_note(f"the run stopped at this error, saving nothing: {guard.kept()}")  # under a bug's traceback too
         raise
     finally:
         guard.disarm()

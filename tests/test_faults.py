@@ -324,6 +324,23 @@ def test_a_non_finite_loss_before_any_save_says_no_checkpoint_was_written(tmp_pa
     assert not (tmp_path / "out" / CKPT_NAME).exists()
 
 
+def test_a_run_that_fails_before_its_first_step_leaves_no_folder_so_its_retry_takes_the_same_name(
+        tmp_path, monkeypatch, capsys):
+    """Out of memory in the first step: exit 1, no out/ left (so no out-2 next time); an existing run's folder stays."""
+    cfg = tiny_config(tmp_path, max_iters=2, exact_val=False)
+    real = train.train_step
+    monkeypatch.setattr(train, "train_step", lambda run, step: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ...")))
+    assert train.main(cli_args(cfg)) == 1 and "out of memory (Tried to allocate 2.00 GiB)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(train, "train_step", real)
+    assert train.main(cli_args(cfg)) == 0 and (tmp_path / "out" / CKPT_NAME).exists()  # the name it was given
+    monkeypatch.setattr(train, "train_step", lambda run, step: [][step])  # a bug, in --overwrite of that run
+    with pytest.raises(IndexError):
+        train.main(cli_args(cfg.replace(overwrite=True)))
+    assert (tmp_path / "out" / "config.json").exists()
+
+
 # --- last: the `python train.py` started with this module has had time to boot ------------------
 
 @pytest.fixture(scope="module")
