@@ -90,18 +90,18 @@ def test_a_resumed_run_keeps_the_dtype_auto_chose_at_its_start(tmp_path, monkeyp
 @pytest.mark.parametrize("always", [False, True])
 def test_a_worse_estimate_never_replaces_the_best_checkpoint_even_across_a_resume(tmp_path, monkeypatch, capsys,
                                                                                   always):
-    """Val estimates 2.0, 1.0 | 1.001, 0.5, 0.5 (train: 3 minus those) at steps 0, 2 | 4, 6, 8, Ctrl-C (saving step
-    3) at |: the best is 1.0 over it, then 0.5 (a near miss or a tie is no improvement), also when
+    """Val estimates 2.0, 1.0 | 1.001, 0.5, 0.5, 0.7 (train: 3 minus those) at steps 0, 2 | 4, 6, 8, 10, Ctrl-C
+    (saving step 3) at |: the best is 1.0 over it, then 0.5 (a near miss or a tie is no improvement), also when
     always_save_checkpoint saves at every eval (the best val is the best, not the last). The last line says which step
     the checkpoint holds when it is not the last."""
-    values, saves, real_save = iter([2.0, 1.0, 1.001, 0.5, 0.5]), [], train.checkpoint.save_checkpoint
+    values, saves, real_save = iter([2.0, 1.0, 1.001, 0.5, 0.5, 0.7]), [], train.checkpoint.save_checkpoint
     monkeypatch.setattr(train, "estimate_loss", lambda *a, **k: {"val": (v := next(values)), "train": 3 - v})
     monkeypatch.setattr(train.checkpoint, "save_checkpoint", lambda path, state: saves.append(state["step"]) or
                         real_save(path, state))
-    cfg = tiny_config(tmp_path, max_iters=8, eval_interval=2, lr_decay_iters=8, always_save_checkpoint=always)
+    cfg = tiny_config(tmp_path, max_iters=10, eval_interval=2, lr_decay_iters=10, always_save_checkpoint=always)
     assert ctrl_c_in_batch(3, cfg, verbose=False)["interrupted"] == "SIGINT"  # the 3rd batch: step 2's
     summary, path = train.train(cfg.replace(resume=True, tensorboard=False)), Path(cfg.out_dir) / CKPT_NAME
-    assert saves == ([2, 3, 4, 6, 8] if always else [2, 3, 6]), f"checkpoints written at steps {saves}"
+    assert saves == ([2, 3, 4, 6, 8, 10] if always else [2, 3, 6]), f"checkpoints written at steps {saves}"
     older = "" if always else (" (step 6, where the val estimate was best; the last step's weights were not saved: "
                                "--always_save_checkpoint keeps them)")
     assert capsys.readouterr().out.splitlines()[-1] == f"checkpoint: {path}{older}; sample it: python sample.py " \
