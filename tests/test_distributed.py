@@ -20,8 +20,10 @@ from training.distributed import Dist, init_distributed
 from training.faults import RunGuard
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
-QUIET = dict(gradient_accumulation_steps=2, dtype="float32", tensorboard=False, exact_val=False,
-             always_save_checkpoint=True)  # float32: the replay is compared to rounding
+# 4: two micro-batches per rank, so the gradients are all-reduced once, after both; float32: the replay is compared
+# to rounding
+QUIET = dict(gradient_accumulation_steps=4, dtype="float32", tensorboard=False, exact_val=False,
+             always_save_checkpoint=True)
 gap = lambda a, b: max((a["model"][k] - w).abs().max().item() for k, w in b["model"].items())  # checkpoints' weights
 val_losses = lambda history: [h["val_loss"] for h in history]
 
@@ -48,7 +50,8 @@ def one_process(tmp_path, monkeypatch, name: str, streams: list[torch.Generator]
 
 
 def test_two_ranks_end_with_the_weights_of_one_process_replaying_both_ranks_batches(two_ranks, tmp_path, monkeypatch):
-    """Rank 0's batch (seed) then rank 1's (seed + 1) per step: the same losses and weights; one stream: far off."""
+    """Rank 0's micro-batch (seed) then rank 1's (seed + 1), twice per step: the same losses and weights; one
+    stream: far off."""
     cfg, _, ddp = two_ranks
     streams = [torch.Generator().manual_seed(cfg.seed + rank) for rank in range(2)]
     summary, replayed = one_process(tmp_path, monkeypatch, "replay", streams)
