@@ -138,8 +138,7 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     dtype, dtype_why = runtime.resolve_dtype(cfg.dtype, device, (cfg.batch_size * cfg.block_size, cfg.n_embd),
                                              kept.get("dtype"))
     cfg = cfg.replace(dtype=str(dtype).removeprefix("torch."))  # what ran
-    steps = cfg.max_iters - (ckpt or {}).get("step", 0)
-    use_compile, compile_why = runtime.resolve_compile(cfg.compile, device, cfg, steps, kept.get("compile"))
+    use_compile, compile_why = runtime.resolve_compile(cfg.compile, device, cfg, cfg.max_iters, kept.get("compile"))
     cfg = cfg.replace(compile=str(use_compile).lower())
     if use_compile and device.type == "cpu":  # inductor's CPU embedding backward adds atomically, in any order
         torch.use_deterministic_algorithms(True, warn_only=True)  # read as it compiles; train() restores it
