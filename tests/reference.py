@@ -35,10 +35,11 @@ def document_ids(tokens: list[int], sep: int) -> list[int]:
 
 
 def rule_grid(Tq: int, Tk: int, window: int = 0, docs: list[int] | None = None) -> Tensor:
-    """(Tq, Tk) bool: declared_rule for queries at the last Tq of Tk positions; docs: each position's document."""
+    """(Tq, Tk) bool: declared_rule for queries at the last Tq of Tk positions; docs: each position's document.
+    Never a later key, whatever the declared rule says: reading one is a LEAK under every rule."""
     same = (lambda i, j: docs[i] == docs[j]) if docs is not None else (lambda i, j: True)
-    return torch.tensor([[declared_rule(Tk - Tq + i, j, window, same(Tk - Tq + i, j)) for j in range(Tk)]
-                         for i in range(Tq)])
+    return torch.tensor([[j <= Tk - Tq + i and declared_rule(Tk - Tq + i, j, window, same(Tk - Tq + i, j))
+                          for j in range(Tk)] for i in range(Tq)])
 
 
 def reach(grid: Tensor, n_layer: int) -> Tensor:

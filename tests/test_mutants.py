@@ -2,13 +2,14 @@
 piece, makes one of the suite's own checks fail, saying what kind of bug it is (a LEAK, or a mask that is
 not the declared rule), and the real code passes them all. The mask command's report says what broke, and where."""
 
+import operator
 import re
 from types import SimpleNamespace
 
 import pytest
 
 import causality as C
-from mutants import MUTANTS, substitute
+from mutants import MUTANTS, REAL, substitute
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
@@ -96,3 +97,27 @@ def test_an_error_the_code_raises_is_reported_with_its_file_and_line(monkeypatch
                         ("test_b", f"C.require(*real_checks) failed (test_mutants.py:{bare.lineno})")]
     check = C.run_check("mask: empty", lambda: C.attn_lib.causal_mask(0, 1))
     assert re.fullmatch(r"raised ValueError: causal_mask needs .* \(model/attention\.py:\d+\)", check.detail), check
+
+
+
+@pytest.mark.parametrize("edit, declared, says", [("dilated", True, None), ("dilated", False, "no leak, but not"),
+                                                  ("one key ahead", True, "LEAK")])
+def test_a_rule_changed_on_purpose_passes_once_declared_and_a_leak_fails_even_then(edit, declared, says,
+                                                                                   monkeypatch):
+    """A rule edited into the model (every other key; or also the next key): every check passes once
+    tests/reference.py declares it too, fails as 'not the declared rule' until then, and reading ahead is a LEAK on
+    every path even declared."""
+    import reference
+
+    op, extra = {"dilated": (operator.and_, lambda q, k: (q - k) % 2 == 0),
+                 "one key ahead": (operator.or_, lambda q, k: k == q + 1)}[edit]
+    substitute(monkeypatch, "visible", lambda q, k, window=0, q_doc=None, k_doc=None:
+               op(REAL["visible"](q, k, window, q_doc, k_doc), extra(q, k)))
+    if declared:
+        real = reference.declared_rule
+        monkeypatch.setattr(reference, "declared_rule", lambda q, k, window=0, same_document=True:
+                            op(real(q, k, window, same_document), extra(q, k)))
+    failed = [str(c) for c in C.iter_checks() if not c.ok]
+    assert not failed if says is None else failed and says in failed[0], failed[:3]
+    leaks = [line.split(" — ")[0] for line in failed if "— LEAK" in line]  # the mask and one forward too, declared
+    assert (says == "LEAK") == any("mask:" in c for c in leaks) == any("perturbation, forward" in c for c in leaks)

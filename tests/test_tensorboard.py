@@ -17,6 +17,7 @@ from tensorboard.plugins.hparams import api_pb2, metadata
 
 import train
 from data import SEPARATOR, load_corpus
+from reference import rule_grid
 from tiny import ROOT, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, parse_args
 from training.visualize import EMPTY, HIGH, INVALID, LOW, colour, layout_for, render_attention
@@ -95,7 +96,7 @@ def test_a_text_sample_continuing_a_newline_and_attention_images_leaving_the_fut
     # attention images: one tag per layer
     assert set(acc.Tags()["images"]) == {f"maps/attention_layer_{layer}" for layer in range(cfg.n_layer)}
     T = min(train.ATTENTION_CHARS, cfg.block_size)  # the val split's first characters
-    lay, future = layout_for(1, cfg.n_head, T), np.triu(np.ones((T, T), dtype=bool), 1)  # future: key after query
+    lay, hidden = layout_for(1, cfg.n_head, T), ~rule_grid(T, T, cfg.attn_window).numpy()  # the rule's hidden keys
     for layer in range(cfg.n_layer):
         images = acc.Images(f"maps/attention_layer_{layer}")
         assert [e.step for e in images] == steps(acc, "loss/val")
@@ -106,7 +107,7 @@ def test_a_text_sample_continuing_a_newline_and_attention_images_leaving_the_fut
                 x, y = lay.origin(0, head)
                 cells = image[y:y + T * lay.cell, x:x + T * lay.cell].reshape(T, lay.cell, T, lay.cell, 3)
                 white = (cells == EMPTY).all(axis=(1, 3, 4))  # (queries, keys)
-                assert (white == future).all(), (layer, head, e.step)  # and no allowed key is white
+                assert (white == hidden).all(), (layer, head, e.step)  # and no allowed key is white
     assert not (colour(np.array([1e-300, 1e-6])) == EMPTY).all(-1).any()  # however small, a weight > 0 is not white
 
 
