@@ -61,8 +61,9 @@ def sample_a(runs, capsys):  # sample.py on a_new's checkpoint: (exit code, stdo
 # --- --help ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("program, kind", [(train, TrainConfig), (sample, sample.SampleConfig)])  # dataclass fields
-def test_help_lists_every_option_with_its_type_and_default(capsys, program, kind):
-    assert program.main(["--help"]) == 0
+@pytest.mark.parametrize("ask", ["--help", "-h"])
+def test_help_lists_every_option_with_its_type_and_default(capsys, program, kind, ask):
+    assert program.main([ask]) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("  --")]
     fields = dataclasses.fields(kind)

@@ -230,7 +230,7 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
     assert (cfg.n_layer, cfg.dropout, cfg.bias, cfg.dataset, cfg.compile, cfg.overwrite, cfg.exact_val) == (
         4, 0.1, True, "x.txt", "true", True, False)
     assert parse_args(["--max_iters=50", "--lr_decay_iters=50"]).warmup_iters == 100  # ends in its warmup: no decay
-    spaced = parse_args(["--compile", "auto", "--resume", "on", "--exact_val", "off"])  # a value after a bare flag
+    spaced = parse_args(["--compile", "auto", "--resume", "on", "--exact_val", "False"])  # a value after a bare flag
     assert (spaced.compile, spaced.resume, spaced.exact_val) == ("auto", True, False)
     with pytest.raises(ValueError, match=re.escape("config field dtype='fp16' is not one of auto, float32")):
         parse_args(["--dtype", "fp16"])  # a choice without a bare value takes any next word, to refuse it
