@@ -149,6 +149,9 @@ def exact_loss_without_window(model, *args, **kwargs):
 separator_in_the_previous_document = lambda t, sep, first=0: REAL["documents"](t, sep, first) - (t == sep).long()
 # ids of the next tokens: the future
 documents_from_the_targets = lambda t, sep, first=0: REAL["documents"](t.roll(-1, dims=-1), sep, first)
+# one document mask for the whole batch, from its first row: the other rows read across their own documents' edges
+first_rows_documents = lambda t, sep, first=0: REAL["documents"](t[:1], sep, first[:1] if torch.is_tensor(first)
+                                                                 else first).expand_as(t)
 # each forward counts documents from 0: a cached key of document 3 is foreign to a query of document 1
 cache_restarts_the_count = lambda self: 0
 rows_joined_with_nothing = lambda docs, name: "".join(d for d in docs if d)
@@ -202,6 +205,7 @@ MUTANTS = [
     Mutant("the separator counted in the previous document", "documents", separator_in_the_previous_document,
            NARROW_OR_WIDE),
     Mutant("document ids from the targets (one position early)", "documents", documents_from_the_targets, LEAK),
+    Mutant("every row takes the first row's documents", "documents", first_rows_documents, NARROW_OR_WIDE),
     Mutant("the cache keeps the previous document", "KVCache.documents", cache_forgets_the_documents, NARROW_OR_WIDE),
     Mutant("the cache restarts the document count each forward", "KVCache.last_document", cache_restarts_the_count,
            NARROW_OR_WIDE),
