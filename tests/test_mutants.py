@@ -99,7 +99,6 @@ def test_an_error_the_code_raises_is_reported_with_its_file_and_line(monkeypatch
     assert re.fullmatch(r"raised ValueError: causal_mask needs .* \(model/attention\.py:\d+\)", check.detail), check
 
 
-
 @pytest.mark.parametrize("edit, declared, says", [("dilated", True, None), ("dilated", False, "no leak, but not"),
                                                   ("one key ahead", True, "LEAK")])
 def test_a_rule_changed_on_purpose_passes_once_declared_and_a_leak_fails_even_then(edit, declared, says,
