@@ -85,8 +85,12 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     dist = init_distributed(os.environ, cfg.device)
     guard = RunGuard(out_dir / checkpoint.CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    run = None
     try:
         run = set_up(cfg, dist, guard, argv or [], verbose, t_start, moved)
+        if dist.device.type != "cuda" and run.log.enabled:
+            announce_duration(run, argv or [])
+        run.mark = time.perf_counter()  # the training clock starts here, after the estimate's timing
         cfg = run.cfg  # with dtype and compile decided
         guard.arm()
         stop, done = None, run.start  # stopping signal; steps done
@@ -109,6 +113,8 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
         return finish(run, done, stop)
     except (KeyboardInterrupt, Exception) as e:
         if fresh and not done and dist.is_main:  # a retry then writes to the same folder, not NAME-2, NAME-3, ...
+            if run is not None and run.log.writer is not None:
+                run.log.writer.close()  # else its thread writes the events file back into the folder, or fails
             shutil.rmtree(out_dir, ignore_errors=True)
         if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: say what is on disk
             raise KeyboardInterrupt(guard.kept()) from None
@@ -173,9 +179,6 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits, micro_steps, autocast,
               start, start if ckpt else None, facts, t_start, runtime.compile_time(), best_val, history,
               first_bad=torch.tensor(NO_STEP, device=device), bad_loss=torch.zeros((), device=device))
-    if device.type != "cuda" and log.enabled:
-        announce_duration(run, argv)
-    run.mark = time.perf_counter()  # the training clock starts here, after the estimate's timing
     return run
 
 
