@@ -184,10 +184,10 @@ def _change_at(x: Tensor, j: int, V: int, seed: int) -> Tensor:
 # --- the mask and attention alone ------------------------------------------------------------------
 
 def check_mask(window: int = 0, T: int = 6) -> Check:
-    """causal_mask(Tq, T) is the declared rule's grid for every Tq (queries aligned with the last keys, as a
-    cache decodes). On failure the detail draws the mask next to the rule."""
-    checks = [judge("mask: causal_mask", attn_lib.causal_mask(Tq, T, window=window).cpu().double(),
-                    rule_grid(Tq, T, window), rule_name(window)) for Tq in range(T, 0, -1)]
+    """causal_mask(Tq, Tk) is the declared rule's grid for every Tq <= Tk <= T (queries aligned with the last keys, as
+    a cache decodes at every position). On failure the detail draws the mask next to the rule."""
+    checks = [judge("mask: causal_mask", attn_lib.causal_mask(Tq, Tk, window=window).cpu().double(),
+                    rule_grid(Tq, Tk, window), rule_name(window)) for Tk in range(T, 0, -1) for Tq in range(Tk, 0, -1)]
     check = next((c for c in checks if not c.ok), checks[0])
     if not check.ok:
         check.detail += "\n" + mask_picture(window, T) + "\n(model/attention.py:visible)"

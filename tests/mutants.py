@@ -71,16 +71,19 @@ def rule(positions: Callable) -> Callable:
     return broken
 
 
+# the rule as shipped: the catalogue's bugs are bugs of it, whatever rule model/attention.py holds now
+shipped = rule(lambda q, k, window: (k <= q) & _in_window(q, k, window))
+shipped_declared = lambda q, k, window=0, same_document=True: k <= q and (window == 0 or q - k < window) and \
+    same_document
 rule_none = rule(lambda q, k, window: torch.ones_like(k <= q))
 rule_hides_diagonal = rule(lambda q, k, window: (k < q) & _in_window(q, k, window))
 rule_leaks_one_step = rule(lambda q, k, window: (k <= q + 1) & _in_window(q, k, window))
-rule_transposed = rule(lambda q, k, window: REAL["visible"](k, q, window))
+rule_transposed = rule(lambda q, k, window: shipped(k, q, window))
 rule_window_one_wider = rule(lambda q, k, window: (k <= q) & (k >= q - window if window else True))  # >= for >
 rule_window_one_narrower = rule(lambda q, k, window: (k <= q) & (k > q - window + 1 if window else True))
 # nanochat's bug: one query (decoding), no window; and a prefill after a cache, no window
-rule_without_window_when_decoding = rule(lambda q, k, window: REAL["visible"](q, k, window if q.numel() > 1 else 0))
-rule_without_window_for_chunks = rule(lambda q, k, window: REAL["visible"](q, k, 0 if 1 < q.numel() < k.numel()
-                                                                            else window))
+rule_without_window_when_decoding = rule(lambda q, k, window: shipped(q, k, window if q.numel() > 1 else 0))
+rule_without_window_for_chunks = rule(lambda q, k, window: shipped(q, k, 0 if 1 < q.numel() < k.numel() else window))
 
 
 # --- broken attention functions (each is the real one with one step done wrong) --------------------
