@@ -4,8 +4,9 @@ Each mutant replaces ONE piece of the real code (the rule, the attention functio
 cache, the exact val pass or the batcher) for the duration of a test; the model itself is never copied. The
 meta-tests in tests/test_mutants.py run the same checks as the suite (tests/causality.py) with each mutant in
 place and require that some check fails, and that the first failure says what kind of bug it is: a LEAK, or
-"no leak, but not" the declared rule. To add a mutant, write the broken piece (a few lines) and add a
-`Mutant(...)` line to MUTANTS.
+"no leak, but not" the declared rule. They run on the shipped rule, declared as such (`shipped` below), whatever
+model/attention.py holds: a rule changed on purpose may make a catalogued bug harmless, never the checks blunt.
+To add a mutant, write the broken piece (a few lines) and add a `Mutant(...)` line to MUTANTS.
 """
 
 import dataclasses
