@@ -74,8 +74,13 @@ def rule(positions: Callable) -> Callable:
 
 # the rule as shipped: the catalogue's bugs are bugs of it, whatever rule model/attention.py holds now
 shipped = rule(lambda q, k, window: (k <= q) & _in_window(q, k, window))
-shipped_declared = lambda q, k, window=0, same_document=True: k <= q and (window == 0 or q - k < window) and \
-    same_document
+
+
+def shipped_declared(q: int, k: int, window: int = 0, same_document: bool = True) -> bool:
+    """tests/reference.py's declared_rule as shipped."""
+    return k <= q and (window == 0 or q - k < window) and same_document
+
+
 rule_none = rule(lambda q, k, window: torch.ones_like(k <= q))
 rule_hides_diagonal = rule(lambda q, k, window: (k < q) & _in_window(q, k, window))
 rule_leaks_one_step = rule(lambda q, k, window: (k <= q + 1) & _in_window(q, k, window))

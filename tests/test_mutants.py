@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import causality as C
+import reference
 from mutants import MUTANTS, shipped, shipped_declared, substitute
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
@@ -25,8 +26,6 @@ def test_real_code_passes_every_check(real_checks):
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.name for m in MUTANTS])
 def test_every_mutant_is_caught_and_named_for_what_it_is(mutant, monkeypatch, real_checks):
-    import reference
-
     if not all(c.ok for c in real_checks):
         pytest.skip("the real code fails the checks itself")
     if mutant.piece != "visible":  # the shipped rule, declared: a rule changed on purpose may hide a catalogued bug
@@ -111,8 +110,6 @@ def test_a_rule_changed_on_purpose_passes_once_declared_and_a_leak_fails_even_th
     """A rule edited into the shipped one (every other key; or also the next key): every check passes once
     tests/reference.py declares it too, fails as 'not the declared rule' until then, and reading ahead is a LEAK on
     every path even declared."""
-    import reference
-
     op, extra = {"dilated": (operator.and_, lambda q, k: (q - k) % 2 == 0),
                  "one key ahead": (operator.or_, lambda q, k: k == q + 1)}[edit]
     edited = lambda q, k, window=0, q_doc=None, k_doc=None: op(shipped(q, k, window, q_doc, k_doc), extra(q, k))
