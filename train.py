@@ -116,9 +116,10 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
             if run is not None and run.log.writer is not None:
                 run.log.writer.close()  # else its thread writes the events file back into the folder, or fails
             shutil.rmtree(out_dir, ignore_errors=True)
+        kept = guard.kept(run.saved if run else None)
         if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: say what is on disk
-            raise KeyboardInterrupt(guard.kept()) from None
-        e.add_note(f"the run stopped at this error, saving nothing: {guard.kept()}")  # under a bug's traceback too
+            raise KeyboardInterrupt(kept) from None
+        e.add_note(f"the run stopped at this error, saving nothing: {kept}")  # under a bug's traceback too
         raise
     finally:
         guard.disarm()
@@ -244,7 +245,7 @@ def evaluate(run: Run, step: int) -> int | None:
         if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
             check_finite(run)  # raises first if a train loss was non-finite
             raise FloatingPointError(f"the loss estimate at step {step} is not finite ({losses}); stopped without "
-                                     f"saving: {run.guard.kept()}")
+                                     f"saving: {run.guard.kept(run.saved)}")
         run.history.append(run.log.evaluation(step, losses, run.train_seconds, time.perf_counter() - run.t_start))
         snapshot(run, step)
         if losses["val"] < run.best_val or cfg.always_save_checkpoint:
@@ -376,8 +377,8 @@ def check_finite(run: Run) -> None:
 
 def not_finite(run: Run, what: str) -> FloatingPointError:
     """The error that stops a run at a non-finite value: what happened, what is on disk, what to try."""
-    return FloatingPointError(f"{what}: {run.guard.kept()}. Try a lower learning_rate or grad_clip > 0 (in float16: "
-                              "dtype=bfloat16).")
+    return FloatingPointError(f"{what}: {run.guard.kept(run.saved)}. Try a lower learning_rate or grad_clip > 0 "
+                              "(in float16: dtype=bfloat16).")
 
 
 def finish(run: Run, done: int, stop: int | None) -> dict:

@@ -129,7 +129,7 @@ def agree(rank: int, store: str, out) -> None:
     step 4 on rank 1 only, and NaNs at step 7 on rank 0 and step 4 on rank 1."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     run = SimpleNamespace(dist=Dist(rank=rank, world_size=2, enabled=True), guard=RunGuard("ckpt.pt", True, False),
-                          bad_loss=torch.tensor(math.nan))
+                          bad_loss=torch.tensor(math.nan), saved=None)
     said, ok = [], train.NO_STEP
     cases = [(signal.SIGTERM, ok), (None, ok), (None, 7)] if rank == 0 else [(None, ok), (None, 4), (None, 4)]
     for signum, bad in cases:  # (the signal, the first bad step) on this rank

@@ -131,9 +131,9 @@ def signals_at(n: int, times: int = 1, sig: int = signal.SIGINT, gap: float = 0.
     return act
 
 
-def loss_times(value: float, n: int):
-    """An act (instrument) multiplying the loss of the n-th training forward by value."""
-    return lambda model, kind, counts, loss: loss * value if (kind, counts[kind]) == ("train", n) else loss
+def loss_times(value: float, n: int, of: str = "train"):
+    """An act (instrument) multiplying the loss of the n-th `of` forward (instrument's kinds) by value."""
+    return lambda model, kind, counts, loss: loss * value if (kind, counts[kind]) == (of, n) else loss
 
 
 # --- SIGINT / SIGTERM ------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_a_second_ctrl_c_exits_at_once_with_130_saving_nothing(second, tmp_path,
         os.kill(proc.pid, signal.SIGINT)
     proc.join(timeout=60 if in_step else 30)
     assert proc.exitcode == 130 and (in_step or time.monotonic() - t0 < 10), log.read_text()
-    kept = "no checkpoint was written" if in_step else f"{path} is untouched"
+    kept = "no checkpoint was written" if in_step else f"{path} (step 4) is untouched"
     assert f"interrupted: exited at once without saving; {kept}" in log.read_text()
     assert "interrupted by" not in log.read_text() and not (path.parent / "summary.json").exists()
     assert not path.exists() if in_step else (path.read_bytes() == saved_before and load_checkpoint(path)["step"] == 4)
@@ -286,16 +286,19 @@ def disk_fills(obj, f, *args, **kwargs):
 
 @pytest.mark.parametrize("fault, fields, says", [
     *((loss_times(v, 4), dict(max_iters=20, log_interval=5, eval_interval=every),
-       [f"loss is {v} at step 7; stopped without saving anything from that step on: {{path}} is untouched"])
+       [f"loss is {v} at step 7; stopped without saving anything from that step on: {{path}} (step 4) is untouched"])
       for v in (NAN, INF) for every in (4, BIG)),
     (nan_weight, dict(max_iters=8), ["the model's weights are no longer finite; stopped without saving"]),
+    (loss_times(NAN, 4, of="estimate"), dict(max_iters=8),  # step 6's val estimate; weights and train losses finite
+     ["the loss estimate at step 6 is not finite", "'val': nan", "saving: {path} (step 4) is untouched"]),
     (disk_fills, dict(max_iters=8), ["intact", "could not write checkpoint {path}: No space left on device; the "
                                      "previous checkpoint"])],
-    ids=["nan-estimate", "nan-log_step", "inf-estimate", "inf-log_step", "nan-weight", "full-disk"])
+    ids=["nan-estimate", "nan-log_step", "inf-estimate", "inf-log_step", "nan-weight", "nan-val-estimate", "full-disk"])
 def test_a_fault_stops_the_run_with_one_error_line_and_the_last_checkpoint_byte_identical(
         run_dir, monkeypatch, capsys, fault, fields, says):
     """Resumed at step 4: step 7's loss non-finite (training stops at step 8's estimate or log step 10), a weight nan,
-    or the disk full: exit 1, one error line naming it, ckpt.pt the step-4 file byte for byte, no temp file."""
+    step 6's val estimate nan, or the disk full: exit 1, one error line naming it (and the step ckpt.pt holds), ckpt.pt
+    the step-4 file byte for byte, no temp file."""
     cfg, path = run_dir[0], run_dir[1] / CKPT_NAME  # a copy of conftest.py's finished run
     good = path.read_bytes()
     counts = monkeypatch.setattr(torch, "save", disk_fills) if fault is disk_fills else instrument(monkeypatch, fault)
@@ -313,7 +316,7 @@ def test_a_bug_mid_run_shows_its_traceback_and_then_that_the_last_checkpoint_is_
     monkeypatch.setattr(train, "train_step", lambda run, step: [][step])  # an IndexError at step 4
     with pytest.raises(IndexError) as raised:
         train.main(cli_args(cfg))
-    assert raised.value.__notes__ == [f"the run stopped at this error, saving nothing: {path} is untouched"]
+    assert raised.value.__notes__ == [f"the run stopped at this error, saving nothing: {path} (step 4) is untouched"]
     assert path.read_bytes() == good
 
 

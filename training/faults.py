@@ -53,10 +53,11 @@ class RunGuard:
         """A signal arrived (polled in evals; distributed runs finish them: the ranks wait)."""
         return self.signum is not None and not self.distributed
 
-    def kept(self) -> str:
-        """What a stopped run leaves on disk."""
+    def kept(self, step: int | None = None) -> str:
+        """What a stopped run leaves on disk; step: the one its checkpoint holds, if known."""
         p = self.ckpt_path
-        return f"{p} is untouched" if p.exists() else f"no checkpoint was written ({p} does not exist)"
+        at = "" if step is None else f" (step {step})"
+        return f"{p}{at} is untouched" if p.exists() else f"no checkpoint was written ({p} does not exist)"
 
 
 def signal_name(signum: int) -> str:
