@@ -91,6 +91,9 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
     if case == "non-UTF-8 toml":
         toml.write_bytes("# café\n".encode("latin1"))
         return argv_for(cfg, toml), [f"{toml} is not UTF-8 text: invalid byte 0xe9 at byte offset 5", "iconv"]
+    if case == "invalid toml":
+        toml.write_text("n_layer = \n")
+        return argv_for(cfg, toml), [f"config file {toml} is not valid TOML: Invalid value (at line 1, column 11)"]
     if case == "missing device":  # cuda:N where N = the machine's count
         return argv_for(cfg, device=f"cuda:{(n := torch.cuda.device_count())}"), [f"device='cuda:{n}'", f"has {n} cuda"]
     if case == "config is a folder":
@@ -113,8 +116,9 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown key in toml", "ill-typed value in toml", "non-UTF-8 toml",
-                                  "config is a folder", "out_dir is a file", "missing device", "non-UTF-8 corpus",
-                                  "doc_mask without documents", "split too short", "too big for memory"])
+                                  "invalid toml", "config is a folder", "out_dir is a file", "missing device",
+                                  "non-UTF-8 corpus", "doc_mask without documents", "split too short",
+                                  "too big for memory"])
 def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, tmp_path, capsys):
     argv, fragments = bad_train_args(case, tmp_path)
     assert_one_error_line(*run(capsys, train, *argv)[::2], *fragments)

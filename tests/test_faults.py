@@ -310,11 +310,12 @@ def test_a_fault_stops_the_run_with_one_error_line_and_the_last_checkpoint_byte_
     assert path.read_bytes() == good and temp_files(path.parent) == set()
 
 
-def test_a_bug_mid_run_shows_its_traceback_and_then_that_the_last_checkpoint_is_untouched(run_dir, monkeypatch):
+@pytest.mark.parametrize("bug", [IndexError, RuntimeError])  # RuntimeError: torch's, unless it is out of memory
+def test_a_bug_mid_run_shows_its_traceback_and_then_that_the_last_checkpoint_is_untouched(run_dir, monkeypatch, bug):
     cfg, path = run_dir[0], run_dir[1] / CKPT_NAME
     good = path.read_bytes()
-    monkeypatch.setattr(train, "train_step", lambda run, step: [][step])  # an IndexError at step 4
-    with pytest.raises(IndexError) as raised:
+    monkeypatch.setattr(train, "train_step", lambda run, step: (_ for _ in ()).throw(bug(f"a bug at step {step}")))
+    with pytest.raises(bug, match="a bug at step 4") as raised:
         train.main(cli_args(cfg))
     assert raised.value.__notes__ == [f"the run stopped at this error, saving nothing: {path} (step 4) is untouched"]
     assert path.read_bytes() == good
