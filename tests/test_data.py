@@ -224,6 +224,16 @@ def test_an_unknown_split_or_column_is_one_error_naming_it(saved, hf, tmp_path, 
         assert re.search(rf"['\"]{value}['\"]", single_error(e)), (dataset, str(e.value))
 
 
+def test_a_file_that_hf_cannot_read_is_one_error_naming_it_and_why(hf, tmp_path):
+    (tmp_path / "notes.xml").write_text("<a/>")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    for name, why in (("notes.xml", "expected a .parquet, .json, .jsonl, .csv, .txt file; for plain text drop hf:"),
+                      ("broken.parquet", "ArrowInvalid: Parquet magic bytes not found")):
+        with pytest.raises(ValueError) as e:
+            load_text(f"hf:{tmp_path / name}")
+        assert single_error(e).startswith(f"dataset=hf:{tmp_path / name}: ") and why in str(e.value), str(e.value)
+
+
 def test_an_uncached_hub_id_offline_fails_in_seconds_saying_how_to_pass_a_local_copy(hf, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")  # hf_text must set it: `datasets` reads it when first imported
     monkeypatch.setattr(data.text, "hub_reachable", lambda timeout=3.0: False)
