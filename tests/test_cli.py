@@ -139,6 +139,7 @@ def test_sample_options_take_a_value_after_a_space_and_a_bare_flag_takes_none():
     ("{ckpt} --temperature=-1", "temperature must be a finite number >= 0, got -1.0"),
     ("{ckpt} --top_p=0", "top_p must be in (0, 1], got 0.0"), ("{ckpt} --num_samples=0", "--num_samples must be >= 1"),
     ("{ckpt} --prompt= --prompt_file=prompt.txt", "--prompt or --prompt_file, not both"),
+    ("{ckpt} --prompt_file=no/such.txt", "--prompt_file: cannot read no/such.txt: No such file or directory"),
     ("{ckpt} --prompt=RZ", "characters not in the vocabulary: 'Z'"),  # R is in it, so only Z is named
     ("{ckpt} --prompt=", "the prompt is empty"), ("--out_dir={path}", "is a file: give it as --ckpt={path}"),
     ("--top-k=5", "unknown option 'top-k'; did you mean top_k"), ("--temprature=0", "did you mean temperature?"),
@@ -267,6 +268,13 @@ def test_greedy_ignores_the_seed_and_the_same_seed_gives_the_same_text(sample_a)
     text = lambda *flags: sample_a("--device=cpu", "--max_new_tokens=40", *flags)[1]
     assert text("--temperature=0", "--seed=1") == text("--temperature=0", "--seed=2")
     assert text("--seed=1") == text("--seed=1") != text("--seed=2")  # the control: sampling does depend on the seed
+
+
+def test_a_prompt_file_is_the_same_prompt_as_its_text_given_inline(sample_a, tmp_path):
+    (path := tmp_path / "prompt.txt").write_text("ROMEO:\nO, ", encoding="utf-8")  # a newline, as files hold
+    text = lambda *flags: sample_a("--device=cpu", "--max_new_tokens=20", *flags)
+    code, out, _ = text(f"--prompt_file={path}")
+    assert code == 0 and out.startswith("ROMEO:\nO, ") and (code, out) == text("--prompt=ROMEO:\nO, ")[:2]
 
 
 def test_num_samples_are_three_texts_between_dashed_lines_and_top_k_0_means_every_token(sample_a, monkeypatch):
