@@ -95,7 +95,7 @@ class RunLog:
         self.bar.close()  # first: no stale bar below the last lines
         self.interactive = False
         s, ckpt = summary, Path(self.cfg.out_dir) / "ckpt.pt"
-        speed = f" ({s['ms_per_step_median']:.1f} ms/step, {s['tokens_per_second']:,.0f} tok/s)" \
+        speed = f" ({s['ms_per_step_median']:.1f} ms/step median, {s['tokens_per_second']:,.0f} tok/s over the run)" \
             if s["ms_per_step_median"] and s["tokens_per_second"] else ""
         head = f"{'stopped' if interrupted else 'done'}: {s['steps']} steps in {format_duration(s['wall_seconds'])}"
         head += f", {format_duration(s['compile_seconds'])} of it compiling" if s["compile_seconds"] >= 1 else ""
