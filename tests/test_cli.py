@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -176,6 +177,27 @@ def test_the_mask_command_and_its_complement_collect_what_they_say():
                                            "--collect-only", "-q", "tests"], cwd=ROOT, capture_output=True,
                                           text=True, timeout=120).stdout
     assert re.search(r"tests/test_cli.py: \d+", collect("not mask")) and "test_cli" not in collect("mask")
+
+
+def test_the_readmes_window_written_into_the_rule_passes_the_mask_command_once_declared(tmp_path):
+    """The README's worked example, in a copy of the project: `visible` edited by hand to a window of 4 fails the mask
+    command with "no leak, but not the causal rule" (-x: at the first failure), and is green once declared."""
+    edit = "allowed = (k_pos <= q_pos) & (k_pos > q_pos - 4)"
+    assert f"`{edit}`" in (ROOT / "README.md").read_text(encoding="utf-8")  # the example the README gives
+    copy = tmp_path / "project"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".*", "out", "__pycache__", "benchmarks"))
+    rewrite = lambda path, old, new: path.write_text(path.read_text().replace(old, new, 1) if old in path.read_text()
+                                                     else pytest.fail(f"{path.name} no longer holds {old!r}"))
+    rewrite(copy / "model" / "attention.py", "allowed = k_pos <= q_pos\n", edit + "\n")
+    mask = lambda *args: subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "mask", *args],
+                                        cwd=copy, capture_output=True, text=True, timeout=300)
+    undeclared = mask("-x")
+    assert undeclared.returncode == 1 and "\nno leak, but not the causal rule: query " in undeclared.stdout, \
+        undeclared.stdout[-3000:]
+    rewrite(copy / "tests" / "reference.py", "return k <= q and (window", "return k <= q and q - k < 4 and (window")
+    rewrite(copy / "tests" / "reference.py", 'else "the causal rule")', 'else "a window of 4")')
+    declared = mask()
+    assert declared.returncode == 0 and " passed" in declared.stdout, declared.stdout[-3000:]
 
 
 # --- train.py without a config; the duration estimate ---------------------------------------------------------------
