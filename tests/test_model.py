@@ -206,6 +206,8 @@ def test_generation_past_block_size_reads_the_documented_windows(prompt_len, sli
     with pytest.raises(ValueError, match=r"generate needs a \(B, T>=1\) prompt, got shape \(\d+,\)"):
         model.generate(prompt[0], 1)
     assert torch.equal(model.generate(prompt, 0), prompt)  # no new token: the prompt
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):  # not the prompt, silently
+        model.generate(prompt, -1)
 
 
 @pytest.mark.parametrize("slide, fed", [(4, [3] + [1] * 9 + ([9] + [1] * 3) * 5), (1, [3] + [1] * 9 + [12] * 20)])
