@@ -94,7 +94,7 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
         return argv_for(cfg, toml), [f"{toml} is not UTF-8 text: invalid byte 0xe9 at byte offset 5", "iconv"]
     if case == "invalid toml":
         toml.write_text("n_layer = \n")
-        return argv_for(cfg, toml), [f"config file {toml} is not valid TOML: Invalid value (at line 1, column 11)"]
+        return argv_for(cfg, toml), [f"config file {toml} is not valid TOML: ", "line 1"]  # tomllib's words after
     if case == "missing device":  # cuda:N where N = the machine's count
         return argv_for(cfg, device=f"cuda:{(n := torch.cuda.device_count())}"), [f"device='cuda:{n}'", f"has {n} cuda"]
     if case == "config is a folder":
