@@ -2,6 +2,7 @@
 accumulation and clipping, the learning rate it applies, mixed precision against float64, the config,
 evaluation, optimizers, and what a GPU step must not do (read the host, break the compiled graph)."""
 
+import dataclasses
 import json
 import math
 import re
@@ -242,6 +243,15 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
     path.write_text("max_iters = true\n")  # TOML's true is no int, though Python's bool is one
     with pytest.raises(ValueError, match=re.escape("config field max_iters must be int, got True")):
         parse_args([str(path)])
+
+
+def test_every_architecture_field_of_a_run_reaches_its_model():
+    """Each GPTConfig field a TrainConfig carries is passed on: a dropped one would train its default in silence."""
+    changed = dict(n_layer=3, n_head=2, n_embd=8, block_size=16, dropout=0.1, bias=True, attn_backend="sdpa",
+                   pos_emb="rope", qk_norm=True, attn_window=5)
+    assert set(changed) == {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "doc_sep"}
+    assert all(getattr(GPTConfig(vocab_size=7), name) != value for name, value in changed.items())  # not defaults
+    assert TrainConfig(**changed).model_config(7, doc_sep=3) == GPTConfig(vocab_size=7, doc_sep=3, **changed)
 
 
 @pytest.mark.parametrize("override, match", [
