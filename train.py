@@ -244,8 +244,7 @@ def evaluate(run: Run, step: int) -> int | None:
             return run.guard.signum
         if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
             check_finite(run)  # raises first if a train loss was non-finite
-            raise FloatingPointError(f"the loss estimate at step {step} is not finite ({losses}); stopped without "
-                                     f"saving: {run.guard.kept(run.saved)}")
+            raise not_finite(run, f"the loss estimate at step {step} is not finite ({losses}); stopped without saving")
         run.history.append(run.log.evaluation(step, losses, run.train_seconds, time.perf_counter() - run.t_start))
         snapshot(run, step)
         if losses["val"] < run.best_val or cfg.always_save_checkpoint:
