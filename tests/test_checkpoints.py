@@ -3,6 +3,7 @@ bit-identical to one that never stopped; a checkpoint holds tensors and plain da
 one that cannot be continued is refused before out_dir is touched; every write is atomic and leaves no temporary."""
 
 import ast
+import dataclasses
 import errno
 import json
 import os
@@ -181,13 +182,27 @@ class WritesMarker(str):  # a path that, unpickled, calls open(path, "w"): the f
     __reduce__ = lambda self: (open, (str(self), "w"))
 
 
+# every field of the architecture changed (doc_sep: a run on documents; dropout and attn_backend may change)
+ARCHITECTURE = dict(n_layer=1, n_head=1, n_embd=32, block_size=8, bias=True, pos_emb="rope", qk_norm=True,
+                    attn_window=4)
+assert set(ARCHITECTURE) == {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "doc_sep", "dropout",
+                                                                               "attn_backend"}
+
+
+def interrupted_then_finished(out: Path, step: int) -> None:
+    """out's run as if stopped at `step` (saved) and resumed to its end without a better val, so never saved again."""
+    torch.save({**load_checkpoint(out / CKPT_NAME), "step": step, "interrupted": "SIGINT"}, out / CKPT_NAME)
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, "checkpoint_step": step}))
+
+
 REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its config and/or out_dir), the message's parts
     "no_checkpoint": (lambda cfg, out: (out / CKPT_NAME).unlink() or cfg,
                       ["--resume: no checkpoint at", "without --resume the run starts afresh beside it (--overwrite"]),
     "no_out_dir": (lambda cfg, out: shutil.rmtree(out) or cfg, ["--resume: no checkpoint at"]),
-    "architecture": (lambda cfg, out: cfg.replace(n_layer=1, n_embd=32, attn_window=4),  # a window: no weights
-                     ["n_layer: checkpoint 2 vs config 1", "n_embd: checkpoint 16 vs config 32", "attn_window: "
-                      "checkpoint 0 vs config 4", "Drop --resume to start afresh, or give a new --out_dir"]),
+    "architecture": (lambda cfg, out: cfg.replace(**ARCHITECTURE), [f"{k}: checkpoint " for k in ARCHITECTURE] + [
+        "n_layer: checkpoint 2 vs config 1", "attn_window: checkpoint 0 vs config 4",  # a window: no weights
+        "Drop --resume to start afresh, or give a new --out_dir"]),
     "vocabulary": (lambda cfg, out: (out.parent / "other.txt").write_text(TEXT.replace("R", "Z") * 100) and  # beside
                    cfg.replace(dataset=str(out.parent / "other.txt")),  # out_dir: the snapshot stays out_dir's
                    ["another vocabulary", "differing: ['R', 'Z']", "drop --resume"]),
@@ -196,6 +211,9 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
                                                             "summary.json", "--max_iters > 4"]),
     "finished_after_its_best": (lambda cfg, out: torch.save({**load_checkpoint(out / CKPT_NAME), "step": 2}, out /
         CKPT_NAME) or cfg.replace(max_iters=4), ["at step 2 (the best val estimate's), and the run ended at step 4"]),
+    "finished_after_an_interruption": (lambda cfg, out: interrupted_then_finished(out, step=2) or
+                                       cfg.replace(max_iters=4), ["at step 2 (the best val estimate's), and the run "
+                                                                  "ended at step 4"]),
     "optimizer": (lambda cfg, out: cfg.replace(optimizer="muon"), ["optimizer: checkpoint 'adamw' vs config 'muon'"]),
     "truncated": (lambda cfg, out: (out / CKPT_NAME).write_bytes((out / CKPT_NAME).read_bytes()[:20000]) and cfg,
                   ["is not a checkpoint: not a complete PyTorch archive"]),
@@ -230,6 +248,15 @@ def test_the_same_copy_resumes_when_nothing_is_wrong(run_dir, capsys):
     before = snapshot(out)
     assert train.main(cli_args(cfg.replace(attn_backend="sdpa"))) == 0, capsys.readouterr().err
     assert snapshot(out) != before and load_checkpoint(out / CKPT_NAME)["step"] == 6
+
+
+def test_a_checkpoint_saved_at_a_stop_after_the_summary_was_written_resumes(run_dir, capsys):
+    """A checkpoint saved at a stop that summary.json (of an earlier, finished run) does not hold, as when the process
+    was killed before writing its own summary: that checkpoint continues."""
+    cfg, out = run_dir
+    torch.save({**load_checkpoint(out / CKPT_NAME), "step": 2, "interrupted": "SIGINT"}, out / CKPT_NAME)
+    assert train.main(cli_args(cfg.replace(max_iters=4))) == 0, capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["steps_this_run"] == 2
 
 
 # --- atomic writes ---------------------------------------------------------------------------

@@ -175,10 +175,12 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
 
 
 def finished_at(summary: Path, ckpt: dict[str, Any]) -> int | None:
-    """The step a run ended at, if summary (its summary.json) says it finished after ckpt was saved; else None."""
+    """The step a run ended at, if summary (its summary.json) says it finished after ckpt was saved; else None. An
+    interrupted ckpt is newer than a finished summary, unless that summary's run resumed from it (and never saved)."""
     try:
         facts = json.loads(summary.read_text())
-        ended = None if facts["interrupted"] or ckpt.get("interrupted") else int(facts["steps"])
+        newer = ckpt.get("interrupted") and facts.get("checkpoint_step") != ckpt["step"]
+        ended = None if facts["interrupted"] or newer else int(facts["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return ended if ended is not None and ended >= ckpt["step"] else None
