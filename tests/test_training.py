@@ -407,18 +407,24 @@ def test_auto_compile_on_a_cpu_follows_measured_runs_of_the_shape(monkeypatch, t
     use, why = runtime.resolve_compile("auto", cpu, cfg, steps)
     assert use == want and why.startswith("auto: ") and ("warm" in why) == bool(warm and kept), why
     assert runtime.resolve_compile("false", cpu, cfg, steps, kept="true") == (False, "as configured")  # not a resume's
-    for other in (dict(dtype="bfloat16"), dict(n_layer=2), dict(attn_window=8)):  # another dtype or shape: not measured
-        assert not runtime.resolve_compile("auto", cpu, cfg.replace(**other), steps)[0], other
+    others = dict(n_layer=2, n_head=4, n_embd=192, block_size=128, batch_size=8, gradient_accumulation_steps=2,
+                  dtype="bfloat16", attn_backend="sdpa", pos_emb="rope", qk_norm=True, attn_window=8, doc_mask=True,
+                  optimizer="muon")  # each changes a step's work: not measured
+    for name, value in others.items():
+        assert not runtime.resolve_compile("auto", cpu, cfg.replace(**{name: value}), steps)[0], name
     assert runtime.resolve_compile("auto", torch.device("cuda"), cfg, steps)[0] is True
 
 
 def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choice(monkeypatch, tmp_path):
     """A CPU run of >= 20 steps records its ms/step (eager, compiled); a run that auto compiled resumes compiled."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(torch, "compile", EAGER)
+    shapes = set()  # what the compiled model is given: one batch shape, so one graph (an eval's too)
+    monkeypatch.setattr(torch, "compile", lambda m: (m.register_forward_pre_hook(lambda _, a: shapes.add(a[0].shape)),
+                                                     EAGER(m))[1])
     cfg = tiny_config(tmp_path, max_iters=24, eval_interval=8, exact_val=False, tensorboard=False)
     for choice in ("false", "true", "true"):  # the second compile finds the shape in inductor's cache: warm
         train.train(cfg.replace(out_dir=str(tmp_path / choice), compile=choice), verbose=False)
+    assert shapes == {(cfg.batch_size, cfg.block_size)}, shapes
     kept = runtime.remembered(key := runtime.speed_key(cfg.replace(dtype="float32")))[0]
     assert kept.keys() == {"eager", "compiled", "cold_s", "warm_s"} and min(kept.values()) >= 0 < kept["cold_s"], kept
     runtime.remembered(key, update=lambda k: k | {"compiled": 1e9})  # compiling loses here: only a kept choice compiles
