@@ -59,6 +59,7 @@ def test_the_tokenizer_round_trips_sorts_its_vocabulary_names_unknown_characters
     assert (ids := tok.encode_array(text)).dtype == np.uint16 and ids.tolist() == tok.encode(text)
     assert tok.encode_array("").shape == (0,) and tok.encode("") == []
     assert CharTokenizer.from_dict(tok.to_dict()) == tok and CharTokenizer("ab") != CharTokenizer("ba")
+    assert CharTokenizer("ba").encode("ab") == [1, 0]  # ids in the given order, which a checkpoint keeps
     with pytest.raises(ValueError, match=r"not in the vocabulary: 'x', 'z'; use these 3: 'abc'$"):
         CharTokenizer("abc").encode("abzx")
     with pytest.raises(ValueError, match=r"'q'"):
