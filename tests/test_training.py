@@ -260,6 +260,7 @@ def test_every_architecture_field_of_a_run_reaches_its_model():
     ("--learning_rate=nan", "learning_rate must be a finite number, got nan"),
     ("--beta2=1", "beta2 must be in [0, 1), got 1.0"), ("--min_lr=1", "min_lr=1.0 exceeds learning_rate"),
     ("--n_layer=four", "n_layer: 'four' is not a valid int"), ("--split=train", "applies to hf: datasets only"),
+    ("--text_column=body", "text_column='body' applies to hf: datasets only"),
     ("--device=tpu", "device must be one of auto, cpu, cuda, cuda:N, mps, got 'tpu'"),
     ("--dataset=", "dataset must be non-empty, got ''"), ("--out_dir=", "out_dir must be non-empty, got ''"),
     ("--warmup_iters=10 --lr_decay_iters=0 --max_iters=50", "lr_decay_iters=0 ends the decay before warmup_iters=10")])
@@ -407,6 +408,7 @@ def test_auto_compile_on_a_cpu_follows_measured_runs_of_the_shape(monkeypatch, t
     use, why = runtime.resolve_compile("auto", cpu, cfg, steps)
     assert use == want and why.startswith("auto: ") and ("warm" in why) == bool(warm and kept), why
     assert runtime.resolve_compile("false", cpu, cfg, steps, kept="true") == (False, "as configured")  # not a resume's
+    assert runtime.resolve_compile("auto", cpu, cfg, steps, kept="false") == (False, runtime.KEPT)  # a resume's own
     others = dict(n_layer=2, n_head=4, n_embd=192, block_size=128, batch_size=8, gradient_accumulation_steps=2,
                   dtype="bfloat16", attn_backend="sdpa", pos_emb="rope", qk_norm=True, attn_window=8, doc_mask=True,
                   optimizer="muon", dropout=0.1)  # each changes a step's work: not measured
