@@ -411,7 +411,7 @@ def test_auto_compile_on_a_cpu_follows_measured_runs_of_the_shape(monkeypatch, t
     assert runtime.resolve_compile("auto", cpu, cfg, steps, kept="false") == (False, runtime.KEPT)  # a resume's own
     others = dict(n_layer=2, n_head=4, n_embd=192, block_size=128, batch_size=8, gradient_accumulation_steps=2,
                   dtype="bfloat16", attn_backend="sdpa", pos_emb="rope", qk_norm=True, attn_window=8, doc_mask=True,
-                  optimizer="muon", dropout=0.1)  # each changes a step's work: not measured
+                  optimizer="muon", dropout=0.1, bias=True)  # each changes a step's work: not measured
     for name, value in others.items():
         assert not runtime.resolve_compile("auto", cpu, cfg.replace(**{name: value}), steps)[0], name
     assert runtime.resolve_compile("auto", torch.device("cuda"), cfg, steps)[0] is True

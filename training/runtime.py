@@ -68,10 +68,10 @@ def remembered(name: str, measure: Callable[[], Any] | None = None, update: Call
 
 
 def speed_key(cfg: Any) -> str:
-    """What a step's speed depends on: the model's shape, the batch, dtype, backend and dropout (RESULTS.md)."""
+    """What a step's speed depends on: the model's shape, the batch, dtype, backend, dropout and biases (RESULTS.md)."""
     return (f"step ms {cfg.n_layer}x{cfg.n_head}x{cfg.n_embd} block {cfg.block_size} batch {cfg.batch_size}x"
             f"{cfg.gradient_accumulation_steps} {cfg.dtype} {cfg.attn_backend} {cfg.pos_emb} qk_norm {cfg.qk_norm} "
-            f"window {cfg.attn_window} doc_mask {cfg.doc_mask} {cfg.optimizer} dropout {cfg.dropout}")
+            f"window {cfg.attn_window} doc_mask {cfg.doc_mask} {cfg.optimizer} dropout {cfg.dropout} bias {cfg.bias}")
 
 
 def compiled_here(cfg: Any) -> Path:
