@@ -3,7 +3,6 @@ bit-identical to one that never stopped; a checkpoint holds tensors and plain da
 one that cannot be continued is refused before out_dir is touched; every write is atomic and leaves no temporary."""
 
 import ast
-import dataclasses
 import errno
 import json
 import os
@@ -17,7 +16,7 @@ import torch
 
 import train
 from model import GPT, GPTConfig
-from tiny import ROOT, TEXT, cli_args, ctrl_c_in_batch, tiny_config
+from tiny import ARCHITECTURE, ROOT, TEXT, cli_args, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, TrainConfig, load_checkpoint, save_checkpoint
 from training.checkpoint import FORMAT, prepare_run_folder, run_folder, write_atomic, write_json
 
@@ -182,16 +181,14 @@ class WritesMarker(str):  # a path that, unpickled, calls open(path, "w"): the f
     __reduce__ = lambda self: (open, (str(self), "w"))
 
 
-# every field of the architecture changed (doc_sep: a run on documents; dropout and attn_backend may change)
-ARCHITECTURE = dict(n_layer=1, n_head=1, n_embd=32, block_size=8, bias=True, pos_emb="rope", qk_norm=True,
-                    attn_window=4)
-assert set(ARCHITECTURE) == {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "doc_sep", "dropout",
-                                                                               "attn_backend"}
+def stopped_at(out: Path, step: int) -> None:
+    """out's checkpoint as if saved by a Ctrl-C after `step` steps."""
+    torch.save({**load_checkpoint(out / CKPT_NAME), "step": step, "interrupted": "SIGINT"}, out / CKPT_NAME)
 
 
 def interrupted_then_finished(out: Path, step: int) -> None:
     """out's run as if stopped at `step` (saved) and resumed to its end without a better val, so never saved again."""
-    torch.save({**load_checkpoint(out / CKPT_NAME), "step": step, "interrupted": "SIGINT"}, out / CKPT_NAME)
+    stopped_at(out, step)
     summary = json.loads((out / "summary.json").read_text())
     (out / "summary.json").write_text(json.dumps({**summary, "checkpoint_step": step}))
 
@@ -254,7 +251,7 @@ def test_a_checkpoint_saved_at_a_stop_after_the_summary_was_written_resumes(run_
     """A checkpoint saved at a stop that summary.json (of an earlier, finished run) does not hold, as when the process
     was killed before writing its own summary: that checkpoint continues."""
     cfg, out = run_dir
-    torch.save({**load_checkpoint(out / CKPT_NAME), "step": 2, "interrupted": "SIGINT"}, out / CKPT_NAME)
+    stopped_at(out, step=2)
     assert train.main(cli_args(cfg.replace(max_iters=4))) == 0, capsys.readouterr().err
     assert json.loads((out / "summary.json").read_text())["steps_this_run"] == 2
 

@@ -21,7 +21,7 @@ import training.runtime as runtime
 from data import get_batch, load_corpus
 from model import GPT, GPTConfig
 from mutants import REAL, batcher, rule_leaks_one_step, substitute
-from tiny import CPU_CONFIGS, ROOT, TEXT, ctrl_c_in_batch, tiny_config
+from tiny import ARCHITECTURE, CPU_CONFIGS, ROOT, TEXT, ctrl_c_in_batch, tiny_config
 from training import TrainConfig, configure_optimizers, estimate_loss, exact_loss, parse_args
 from training.evaluate import evaluating
 from training.log import RunLog, format_duration
@@ -247,8 +247,7 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
 
 def test_every_architecture_field_of_a_run_reaches_its_model():
     """Each GPTConfig field a TrainConfig carries is passed on: a dropped one would train its default in silence."""
-    changed = dict(n_layer=3, n_head=2, n_embd=8, block_size=16, dropout=0.1, bias=True, attn_backend="sdpa",
-                   pos_emb="rope", qk_norm=True, attn_window=5)
+    changed = ARCHITECTURE | dict(dropout=0.1, attn_backend="sdpa")
     assert set(changed) == {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "doc_sep"}
     assert all(getattr(GPTConfig(vocab_size=7), name) != value for name, value in changed.items())  # not defaults
     assert TrainConfig(**changed).model_config(7, doc_sep=3) == GPTConfig(vocab_size=7, doc_sep=3, **changed)

@@ -1,5 +1,6 @@
 """Tiny corpora and configs in temp dirs, shared by the tests (which never download or read ../shared)."""
 
+import dataclasses
 import itertools
 import signal
 from pathlib import Path
@@ -8,12 +9,19 @@ from typing import Any
 import pytest
 
 import train
+from model import GPTConfig
 from training import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
 CPU_CONFIGS = [p for p in sorted((ROOT / "configs").glob("*.toml")) if 'device = "cpu"' in p.read_text()]  # recipes
 cli_args = lambda cfg: [f"--{k}={v}" for k, v in cfg.to_dict().items()]  # every field: none falls back to a recipe
+# every GPTConfig field a resume must match (not dropout, attn_backend; doc_sep: a run on documents), each set away
+# from both GPTConfig's default and tiny_config's
+ARCHITECTURE = dict(n_layer=1, n_head=1, n_embd=32, block_size=8, bias=True, pos_emb="rope", qk_norm=True,
+                    attn_window=4)
+assert set(ARCHITECTURE) == {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "doc_sep", "dropout",
+                                                                               "attn_backend"}
 
 
 def tiny_config(folder: Path, **overrides: Any) -> TrainConfig:
