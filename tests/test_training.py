@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import re
+import shlex
 import sys
 import time
 import tomllib
@@ -261,11 +262,12 @@ def test_every_architecture_field_of_a_run_reaches_its_model():
     ("--n_layer=four", "n_layer: 'four' is not a valid int"), ("--split=train", "applies to hf: datasets only"),
     ("--text_column=body", "text_column='body' applies to hf: datasets only"),
     ("--device=tpu", "device must be one of auto, cpu, cuda, cuda:N, mps, got 'tpu'"),
-    ("--dataset=", "dataset must be non-empty, got ''"), ("--out_dir=", "out_dir must be non-empty, got ''"),
+    (f"--seed={2**62 + 1}", f"seed must be in [0, 2**62], got {2**62 + 1}"),  # rank and step seeds stay int64
+    ("--dataset=", "dataset must be non-empty, got ''"), ("--out_dir=' '", "out_dir must be non-empty, got ' '"),
     ("--warmup_iters=10 --lr_decay_iters=0 --max_iters=50", "lr_decay_iters=0 ends the decay before warmup_iters=10")])
 def test_an_invalid_value_is_refused_naming_the_field(override, match):
     with pytest.raises(ValueError, match=re.escape(match)):
-        parse_args(override.split())
+        parse_args(shlex.split(override))  # --out_dir=' ': a blank name is empty too
 
 
 def test_the_shipped_configs_train_the_from_scratch_attention_and_keep_nanogpts_recipes():
