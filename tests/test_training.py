@@ -466,7 +466,12 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     log, marks = RunLog(cfg, 1, None, 0, False), [(1, .01), (3, .014), (5, .03)]  # 10, 2 and 8 ms a step
     assert not log.interactive and log.bar.disable
     facts = {"params": 1, "device": "cpu", "dtype": "float32", "world_size": 1}
-    assert log.summary(facts, [], marks, 5, .03, final_val_loss=None)["ms_per_step_median"] == pytest.approx(8)
+    ended = log.summary(facts, [], marks, 5, .03, final_val_loss=None, best_val_loss=math.inf, steps=5,
+                        wall_seconds=1.0, compile_seconds=0.0, checkpoint_step=None)
+    assert ended["ms_per_step_median"] == pytest.approx(8)
+    (rank_dir := tmp_path / "rank1").mkdir()  # ranks share out_dir: rank 0's summary.json is the only one
+    RunLog(cfg.replace(out_dir=str(rank_dir)), 1, None, 0, False).finish(ended, 5, None)
+    assert not any(rank_dir.iterdir()) and capsys.readouterr() == ("", "")
     assert [format_duration(s) for s in (89, 90, 3725, 5400, 172799, 172800)] == ["89 s", "2 min", "62 min", "2 h",
                                                                                 "48 h", "2 days"]
 
