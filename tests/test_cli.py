@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing import event_accumulator as ea
 import model.gpt
 import sample
 import train
+from data import load_corpus
 from tiny import CPU_CONFIGS, ROOT, TEXT, tiny_config
 from training import CKPT_NAME, TrainConfig, parse_args
 from training.config import field_type
@@ -344,6 +345,7 @@ def test_an_sdpa_run_draws_its_attention_maps_in_tensorboard_and_by_a_bare_atten
     assert run(capsys, train, *argv_for(cfg))[0] == 0
     acc = ea.EventAccumulator(cfg.out_dir, size_guidance={ea.IMAGES: 0}).Reload()
     assert set(acc.Tags()["images"]) == {f"maps/attention_layer_{layer}" for layer in range(cfg.n_layer)}
+    assert "sample/text_summary" not in acc.Tags()["tensors"]  # sample_tokens=0: no text sample
     assert run(capsys, sample, f"--out_dir={cfg.out_dir}", "--prompt=ROMEO:", "--attention_png")[0] == 0
     image = Image.open(Path(cfg.out_dir) / "attention.png")
     pixels = np.asarray(image.convert("RGB"))
@@ -394,11 +396,14 @@ def test_a_model_of_lines_samples_whole_documents_each_ending_at_the_separator(t
     lines = out.split("\n")
     assert code == 0 and len(lines) == 4 and lines[-1] == "" and "\x1e" not in out, out
     assert all(0 < len(name) < 20 and name.isalpha() for name in lines[:3]), out
+    doc_sep = lambda cfg: torch.load(Path(cfg.out_dir) / CKPT_NAME, weights_only=True)["model_config"]["doc_sep"]
+    assert doc_sep(cfg) == load_corpus(str(names), documents="lines").tokenizer.stoi["\x1e"]  # doc_mask: masked apart
     (verses := tmp_path / "verses.txt").write_text("roses are red,\nviolets are blue\n\n" * 100)
     cfg = tiny_config(tmp_path, dataset=str(verses), documents="paragraphs", out_dir=str(tmp_path / "verses"),
                       max_iters=1, eval_interval=1, eval_iters=1, tensorboard=False, exact_val=False)
     train.train(cfg, verbose=False)
     code, out, _ = run(capsys, sample, f"--out_dir={cfg.out_dir}", "--num_samples=3", "--max_new_tokens=20")
     assert code == 0 and out.count(DASHES) == 2 and "\x1e" not in out, out
+    assert doc_sep(cfg) is None  # documents without doc_mask: the causal rule alone
     args = sample.parse_args([f"--out_dir={cfg.out_dir}"], sample.SampleConfig)
     assert sample.load(args)[2] == "\x1e"  # its default prompt opens a document, though "\n" is a symbol of it too
