@@ -215,6 +215,8 @@ def test_without_a_config_the_cpu_recipe_trains_into_its_out_dir_and_says_so_fir
     assert code == 0 and out.startswith("no config given: training configs/shakespeare_char_cpu_fast.toml, "), out
     recipe = tomllib.loads(CPU_FAST.read_text())
     run_dir = tmp_path / recipe["out_dir"]  # the recipe's out_dir, under the cwd
+    command = out.splitlines()[-1].split("sample it: ")[1].split()  # from this folder, outside the project's
+    assert (tmp_path / command[1]).resolve() == ROOT / "sample.py" and command[2] == f"--out_dir={recipe['out_dir']}"
     facts = json.loads((run_dir / "config.json").read_text())
     assert facts["run"]["argv"] == [sys.argv[0], str(CPU_FAST), *args]  # the command that ran, its recipe named
     head = shutil.which("git") and subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,

@@ -4,6 +4,7 @@ TensorBoard tags are grouped loss/, maps/, optim/, speed/: its alphabetical orde
 import contextlib
 import itertools
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from .runtime import peak_memory_mb
 # few columns: at 1400 px the table shows the metrics without scrolling (every field stays in the session's info)
 HPARAMS = ("n_layer", "n_embd", "learning_rate")
 METRICS = ("loss/val_exact", "loss/val")
+SAMPLE_PY = Path(__file__).resolve().parent.parent / "sample.py"
 
 
 def bpc(loss: float) -> float:
@@ -106,7 +108,8 @@ class RunLog:
         saved = s["checkpoint_step"]
         older = f" (step {saved}, where the val estimate was best; the last step's weights were not saved: " \
             "--always_save_checkpoint keeps them)" if saved is not None and saved != s["steps"] else ""
-        self.line(f"checkpoint: {ckpt}{older}; sample it: python sample.py --out_dir={self.cfg.out_dir}"
+        self.line(f"checkpoint: {ckpt}{older}; sample it: python {os.path.relpath(SAMPLE_PY)} "
+                  f"--out_dir={self.cfg.out_dir}"
                   if saved is not None else "no checkpoint was saved: the val estimate never improved on step 0's "
                   "(--always_save_checkpoint saves at every eval)")
         if self.enabled:
