@@ -17,7 +17,7 @@ import torch
 import train
 from model import GPT, GPTConfig
 from tiny import ARCHITECTURE, ROOT, TEXT, cli_args, ctrl_c_in_batch, tiny_config
-from training import CKPT_NAME, TrainConfig, load_checkpoint, save_checkpoint
+from training import CKPT_NAME, TrainConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
 from training.checkpoint import FORMAT, prepare_run_folder, run_folder, write_atomic, write_json
 
 N, K = 8, 4  # an uninterrupted run of N steps; its twin stops at K and resumes to N
@@ -144,6 +144,8 @@ def test_the_state_dict_has_no_wrapper_prefixes_and_config_and_vocab_are_plain_d
     for key in ("model_config", "config", "vocab", "step", "best_val_loss", "history"):  # plain data: JSON's
         assert json.loads(json.dumps(ckpt[key])) == ckpt[key], key
     assert TrainConfig(**ckpt["config"]).out_dir == str(folder / "split")
+    with pytest.raises(ValueError, match="checkpoint model_config does not fit its weights"):  # not a TypeError
+        model_from_checkpoint({**ckpt, "model_config": {**ckpt["model_config"], "n_kv_head": 2}})  # a newer field
 
 
 def test_every_torch_load_in_the_repository_passes_weights_only_true():

@@ -205,6 +205,8 @@ def test_generation_past_block_size_reads_the_documented_windows(prompt_len, sli
             model.generate(prompt, 1, slide=bad)
     with pytest.raises(ValueError, match=r"generate needs a \(B, T>=1\) prompt, got shape \(\d+,\)"):
         model.generate(prompt[0], 1)
+    with pytest.raises(ValueError, match=r"generate needs a \(B, T>=1\) prompt, got shape \(2, 0\)"):
+        model.generate(prompt[:, :0], 1)  # no token to continue
     assert torch.equal(model.generate(prompt, 0), prompt)  # no new token: the prompt
     with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):  # not the prompt, silently
         model.generate(prompt, -1)
