@@ -462,15 +462,15 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     for name, peak in [("H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("H200 NVL", None), ("T4", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert runtime.peak_flops(torch.device("cuda")) == peak, name
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a rank > 0 on a terminal: no bar, no lines
-    log, marks = RunLog(cfg, 1, None, 0, False), [(1, .01), (3, .014), (5, .03)]  # 10, 2 and 8 ms a step
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a rank > 0 on a terminal: no bar, no lines, no files
+    (rank_dir := tmp_path / "rank1").mkdir()  # ranks share out_dir: rank 0's summary.json is the only one
+    log, marks = RunLog(cfg.replace(out_dir=str(rank_dir)), 1, None, 0, False), [(1, .01), (3, .014), (5, .03)]
     assert not log.interactive and log.bar.disable
     facts = {"params": 1, "device": "cpu", "dtype": "float32", "world_size": 1}
     ended = log.summary(facts, [], marks, 5, .03, final_val_loss=None, best_val_loss=math.inf, steps=5,
                         wall_seconds=1.0, compile_seconds=0.0, checkpoint_step=None)
-    assert ended["ms_per_step_median"] == pytest.approx(8)
-    (rank_dir := tmp_path / "rank1").mkdir()  # ranks share out_dir: rank 0's summary.json is the only one
-    RunLog(cfg.replace(out_dir=str(rank_dir)), 1, None, 0, False).finish(ended, 5, None)
+    assert ended["ms_per_step_median"] == pytest.approx(8)  # of 10, 2 and 8 ms a step
+    log.finish(ended, 5, None)
     assert not any(rank_dir.iterdir()) and capsys.readouterr() == ("", "")
     assert [format_duration(s) for s in (89, 90, 3725, 5400, 172799, 172800)] == ["89 s", "2 min", "62 min", "2 h",
                                                                                 "48 h", "2 days"]
