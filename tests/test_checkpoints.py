@@ -214,6 +214,8 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
                                        cfg.replace(max_iters=4), ["at step 2 (the best val estimate's), and the run "
                                                                   "ended at step 4"]),
     "optimizer": (lambda cfg, out: cfg.replace(optimizer="muon"), ["optimizer: checkpoint 'adamw' vs config 'muon'"]),
+    "newer_version": (lambda cfg, out: torch.save({**(c := load_checkpoint(out / CKPT_NAME)), "model_config": {
+        **c["model_config"], "n_kv_head": 2}}, out / CKPT_NAME) or cfg, ["model_config does not fit", "n_kv_head"]),
     "truncated": (lambda cfg, out: (out / CKPT_NAME).write_bytes((out / CKPT_NAME).read_bytes()[:20000]) and cfg,
                   ["is not a checkpoint: not a complete PyTorch archive"]),
     "flipped_byte": (lambda cfg, out: flip_a_weight_byte(out / CKPT_NAME) or cfg, ["fails its CRC-32 check"]),

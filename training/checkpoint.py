@@ -149,7 +149,11 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
         where = f"beside it (--overwrite: in {path.parent})" if (path.parent / "config.json").exists() else "there"
         raise ValueError(f"--resume: no checkpoint at {path}; without --resume the run starts afresh {where}")
     ckpt = load_checkpoint(path, map_location=device)
-    have = GPTConfig(**ckpt["model_config"]).to_dict()  # a field added since: its default
+    try:
+        have = GPTConfig(**ckpt["model_config"]).to_dict()  # a field added since: its default
+    except TypeError as e:  # a field this version lacks: a newer version's checkpoint
+        raise ValueError(f"cannot resume: {path}'s model_config does not fit this version's GPTConfig ({e}). Drop "
+                         "--resume to start afresh, or give a new --out_dir to keep the old run") from None
     diff = [f"{k}: checkpoint {have.get(k)!r} vs config {v!r}" for k, v in model_config.to_dict().items()
             if k not in ("dropout", "attn_backend") and have.get(k) != v]  # neither changes what eval computes
     if diff:
