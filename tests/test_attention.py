@@ -71,14 +71,17 @@ def test_keys_decide_the_weights_and_values_the_outputs():
     assert not torch.allclose(w, attention(q, k[:, :, swap], v)[1])
 
 
-def test_bf16_sdpa_on_a_cpu_is_float32_sdpa_rounded_under_autocast_gradients_included():
+@pytest.mark.parametrize("p", [0.0, 0.5])  # 0.5: float32's dropout too, under the same seed
+def test_bf16_sdpa_on_a_cpu_is_float32_sdpa_rounded_under_autocast_gradients_included(p):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8).bfloat16().requires_grad_() for _ in range(3))
     mask = additive_mask(causal_mask(16, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = fused_attention(q, k, v, mask, 0.0)
+        torch.manual_seed(1)
+        out = fused_attention(q, k, v, mask, p)
     ref_in = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=mask)
+    torch.manual_seed(1)
+    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=mask, dropout_p=p)
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())
     g = torch.randn_like(ref).bfloat16()
     torch.autograd.backward([out, ref], [g, g.float()])

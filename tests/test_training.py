@@ -292,16 +292,16 @@ def test_the_exact_val_loss_scores_every_target_for_every_split_length_modulo_bl
 
 
 def test_an_estimate_is_the_mean_batch_loss_however_its_batches_are_grouped_and_puts_the_mode_back():
-    """The mean loss of eval_iters batches drawn as documented (seed + 1); 7 batches in groups of 3 end in a group
-    of 1 weighing as 1 batch; evaluations put the mode back, even failed."""
+    """The mean loss of eval_iters batches drawn as documented (seed + 1, for each split); 7 batches in groups of 3
+    end in a group of 1 weighing as 1 batch; evaluations put the mode back, even failed."""
     model = C.leak_test_model("manual").float().train()
-    data = {"val": torch.from_numpy(np.random.default_rng(0).integers(0, 13, 300))}
+    data = dict.fromkeys(("train", "val"), torch.from_numpy(np.random.default_rng(0).integers(0, 13, 300)))
     spec = TrainConfig(batch_size=3, block_size=10, eval_iters=7)
     gen, B, T = torch.Generator().manual_seed(spec.seed + 1), spec.batch_size, spec.block_size
     with evaluating(model):
         by_hand = np.mean([model(*get_batch(data["val"], B, T, gen))[1].item() for _ in range(spec.eval_iters)])
-    ests = [estimate_loss(model, data, spec, "cpu", batches_per_forward=n)["val"] for n in (1, 3, 7)]
-    assert ests == pytest.approx([by_hand] * 3, rel=1e-6)
+    ests = [list(estimate_loss(model, data, spec, "cpu", batches_per_forward=n).values()) for n in (1, 3, 7)]
+    assert ests == [pytest.approx([by_hand] * 2, rel=1e-6)] * 3
     for mode in (True, False):
         model.train(mode)
         estimate_loss(model, data, spec.replace(eval_iters=1), "cpu")
