@@ -241,9 +241,10 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
                                                        "first, then the --field=value overrides")):
             parse_args(argv)
     assert cfg.learning_rate == 1.0 == cfg.min_lr and isinstance(cfg.learning_rate, float)  # TOML's 1; lr = min_lr: ok
-    path.write_text("max_iters = true\n")  # TOML's true is no int, though Python's bool is one
-    with pytest.raises(ValueError, match=re.escape("config field max_iters must be int, got True")):
-        parse_args([str(path)])
+    for key, kind in (("max_iters", "int"), ("learning_rate", "float")):  # TOML's true is no number (Python's is)
+        path.write_text(f"{key} = true\n")
+        with pytest.raises(ValueError, match=re.escape(f"config field {key} must be {kind}, got True")):
+            parse_args([str(path)])
 
 
 def test_every_architecture_field_of_a_run_reaches_its_model():
@@ -442,7 +443,8 @@ def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choic
 
 def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, capsys, monkeypatch):
     """The median ms/step (what compile='auto' weighs, with compile_seconds: none here, whatever earlier runs in the
-    process compiled) and the last line's MFU; the tokens of 9 steps count each one's 2 micro-batches of 4 x 16.
+    process compiled) and the last line's MFU; the tokens of 9 steps count each one's 2 micro-batches of 4 x 16, and
+    a resumed run's figures its own steps only.
     MFU's peaks: of the GPUs named, not their variants."""
     monkeypatch.setattr(runtime, "compile_time", lambda: 100.0)  # seconds this process has compiled so far
     cfg = tiny_config(tmp_path, max_iters=9, log_interval=2, peak_tflops=1.0, gradient_accumulation_steps=2, **QUICK)
@@ -459,6 +461,10 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     assert f"\ndone: 9 steps in {format_duration(s['wall_seconds'])} ({s['ms_per_step_median']:.1f} ms/step median, " \
         f"{s['tokens_per_second']:,.0f} tok/s over the run) | best val estimate {s['best_val_loss']:.4f}\n" in out
     assert "GPU-sized" not in out
+    resumed, out = train.train(cfg.replace(resume=True, max_iters=13)), capsys.readouterr().out  # 4 steps of its own
+    tok_s = [float(t.replace(",", "")) for t in re.findall(r"step +\d+ \|.*\| ([\d,]+) tok/s", out)]
+    assert resumed["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3), "a resumed run's speed counts old steps"
+    assert resumed["tokens_per_second"] * resumed["train_seconds"] == pytest.approx(4 * 2 * 4 * 16)
     for name, peak in [("H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("H200 NVL", None), ("T4", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert runtime.peak_flops(torch.device("cuda")) == peak, name
