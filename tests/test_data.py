@@ -178,7 +178,7 @@ def single_error(e: pytest.ExceptionInfo) -> str:
     return str(e.value)
 
 
-def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(saved):
+def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(hf, saved, tmp_path):
     corpus = load_corpus(saved)  # each split's row is a document
     assert corpus.tokenizer.decode(corpus.train) == SEP + CORPUS[:1800] + SEP  # the hub's train split (90 %)
     assert corpus.tokenizer.decode(corpus.val) == CORPUS[1800:1900] + SEP + CORPUS[1900:]  # validation + test
@@ -186,6 +186,8 @@ def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(sa
     assert load_text(saved, split="test") == (SEP + CORPUS[1900:], f"{saved}:test")  # the name says which split
     with pytest.raises(ValueError, match="names split 'test' but config field split='train'"):
         load_text(f"{saved}:test", split="train")
+    hf.DatasetDict({k: hf.Dataset.from_dict({"text": [k]}) for k in ("extra", "train")}).save_to_disk(tmp_path / "x")
+    assert load_text(f"hf:{tmp_path / 'x'}")[0] == SEP + "train" + SEP + "extra"  # other splits after test
 
 
 def test_a_data_file_or_a_folder_of_them_loads_train_split_first_and_txt_files_read_as_plain_text(hf, tmp_path):
@@ -257,9 +259,9 @@ def test_the_hub_is_reachable_when_hf_endpoint_accepts_a_connection(monkeypatch)
 def test_documents_are_lines_or_paragraphs_each_opened_by_the_separator_which_predicts_their_first_char(tmp_path):
     """documents="lines"/"paragraphs" (non-empty lines, blank-line-separated blocks; without it a file is one text);
     one holding the separator is refused; at a boundary the last character predicts the separator."""
-    (path := tmp_path / "docs.txt").write_text("ab\n\ncd\nef\n", encoding="utf-8")
+    (path := tmp_path / "docs.txt").write_text("ab\n\n  cd\nef\n", encoding="utf-8")  # indentation is text
     assert [load_text(str(path), documents=d)[0] for d in ("lines", "paragraphs", "")] == [
-        SEP + "ab" + SEP + "cd" + SEP + "ef", SEP + "ab" + SEP + "cd\nef", "ab\n\ncd\nef\n"]
+        SEP + "ab" + SEP + "  cd" + SEP + "ef", SEP + "ab" + SEP + "  cd\nef", "ab\n\n  cd\nef\n"]
     path.write_bytes(b"ab\r\n \r\ncd\r\nef\r\n")  # Windows line ends; a blank line that holds a space
     assert [load_text(str(path), documents=d)[0] for d in ("lines", "paragraphs")] == [
         SEP + "ab" + SEP + " " + SEP + "cd" + SEP + "ef", SEP + "ab" + SEP + "cd\r\nef"]

@@ -323,8 +323,12 @@ def test_every_eval_of_a_run_reads_the_same_batches_so_its_estimates_compare(tmp
 
 # --- optimizers ----------------------------------------------------------------------------------------
 
-def test_adamw_decays_only_2d_weights_and_muon_takes_the_block_matrices_each_parameter_once():
+def test_adamw_decays_only_2d_weights_and_muon_takes_the_block_matrices_each_parameter_once(monkeypatch):
+    """Each parameter in one optimizer's group; Muon orthogonalises in bf16 where bf16 matmuls pay, else float32."""
     model = C.leak_test_model("manual").float()
+    for pays, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr("training.optim.bf16_pays", lambda *a, pays=pays, **k: (pays, ""))
+        assert configure_optimizers(model, TrainConfig(optimizer="muon"))[0].ns_dtype == dtype
     for optimizer in ("adamw", "muon"):
         optimizers = configure_optimizers(model, TrainConfig(optimizer=optimizer, weight_decay=0.1, beta1=0.8,
                                                              beta2=0.95))
