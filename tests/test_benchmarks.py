@@ -1,6 +1,7 @@
 """Smoke tests of the benchmark scripts: each starts, runs a tiny case, and reports what it measured."""
 
 import json
+import re
 import tempfile
 
 import numpy as np
@@ -36,6 +37,8 @@ def test_bench_trains_a_config_and_reports_its_figures(tmp_path, capsys):
                        "--target_val=100", f"--json={out}"]) == 0
     assert (figures := json.loads(out.read_text()))["ms_per_step_median"] > 0 and figures["final_val_loss"] > 0
     assert figures["time_to_target"]["step"] == 0 and [h["step"] for h in figures["history"]] == [0, 2, 4]  # at once
+    assert figures["best_val_loss"] == min(h["val_loss"] for h in figures["history"])
+    assert 0.2 < figures["ms_per_step_mean"] / figures["ms_per_step_median"] < 5  # both in ms
     assert not (tmp_path / "out").exists()  # it trained in a temporary directory
 
 
@@ -53,18 +56,23 @@ def test_nanogpt_exact_val_scores_a_nanogpt_checkpoint_as_our_exact_loss_scores_
 
 def test_profile_step_splits_a_step_into_kinds_of_operator(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its run folder is removed afterwards
-    assert profile_step.main([*cli_args(tiny_config(tmp_path)), "--steps=2"]) == 0
+    assert profile_step.main([*cli_args(tiny_config(tmp_path)), "--steps=4"]) == 0
     assert not list(tmp_path.glob("profile_step-*"))
     out = capsys.readouterr().out
     assert "ms a step by the clock" in out and "matmuls" in out and "Python, dispatch, autograd engine" in out
+    clock, ops = map(float, re.search(r"([\d.]+) ms a step by the clock .*, operators ([\d.]+) ms", out).groups())
+    assert 0 < ops <= clock  # a step's share of the operators' time, within its own
 
 
 def test_kv_cache_benchmark_finds_identical_tokens(capsys):
     figures = kv_cache.run(new_tokens=20, repeats=1, n_layer=1, n_head=2, n_embd=16, block_size=16)
     assert figures["identical_tokens"] and figures["cached_tokens_per_second"] > 0
+    rates = figures["cached_tokens_per_second"], figures["uncached_tokens_per_second"]
+    assert figures["speedup"] == pytest.approx(rates[0] / rates[1])
     rolling = kv_cache.rolling(window=4, n_layer=1, n_head=2, n_embd=16, block_size=16)
     assert rolling["identical_tokens_4_blocks"] and [s["blocks"] for s in rolling["stretches"]] == [1, 4, 16]
     assert len({s["cache_bytes"] for s in rolling["stretches"]}) == 1  # the same memory at 1, 4 and 16 blocks
+    assert all(s["peak_rss_mb"] > 50 for s in rolling["stretches"])  # MB of a process with torch loaded
 
 
 def test_summarize_turns_ablation_rows_into_a_table(tmp_path, capsys):
@@ -74,3 +82,5 @@ def test_summarize_turns_ablation_rows_into_a_table(tmp_path, capsys):
     (path := tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert summarize.main([str(path)]) == 0
     assert "| rope |" in (table := capsys.readouterr().out) and "+0.1000" in table
+    assert summarize.main([str(path), "--baseline=rope"]) == 0
+    assert "-0.1000" in capsys.readouterr().out  # base against rope

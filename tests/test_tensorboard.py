@@ -20,7 +20,7 @@ from data import SEPARATOR, load_corpus
 from reference import rule_grid
 from tiny import ROOT, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, parse_args
-from training.visualize import EMPTY, HIGH, INVALID, LOW, colour, layout_for, render_attention
+from training.visualize import BLACK, EMPTY, HIGH, INVALID, LOW, colour, layout_for, render_attention
 
 RECIPE = parse_args([str(ROOT / "configs" / "shakespeare_char_cpu_fast.toml")])  # the fast CPU recipe
 QUIET = contextlib.redirect_stdout(io.StringIO())  # a verbose run (the only kind that writes events), swallowed
@@ -122,6 +122,11 @@ def test_the_maps_geometry_ramp_and_titles():
     title = lambda image, x, y: image[y - two.label - two.title:y - two.label, x - two.label:x + 2 * two.cell]
     assert (title(render_attention(maps, "ab", [1]), x0, y0) == title(render_attention(maps * 2, "ab"), x1, y1)).all()
     assert (colour(np.array([np.nan, np.inf])) == INVALID).all()  # a bug, made visible
+    scale = render_attention(maps, "ab")[-two.scale:].astype(int)  # below the tiles: the ramp, its ticks, their labels
+    ink = ~(scale == EMPTY).all(-1)
+    ticks = next(r for r in range(len(scale)) if ink[r].any() and (scale[r][ink[r]] == BLACK).all())  # first black row
+    columns = np.flatnonzero(ink[ticks])
+    assert np.abs(scale[ticks - 5, columns] - colour(np.array([0.01, 0.1, 0.5, 1.0]))).max() <= 2  # each its colour
     for bad in ([], [torch.full((1, 1, 2), 0.5)], [maps[0], torch.full((2, 2, 2), 0.5)]):  # not L maps (H, T, T)
         with pytest.raises(ValueError, match=r"need L >= 1 maps \(H, T, T\) for T = 2 chars"):
             render_attention(bad, "ab")

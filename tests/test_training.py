@@ -3,6 +3,7 @@ accumulation and clipping, the learning rate it applies, mixed precision against
 evaluation, optimizers, and what a GPU step must not do (read the host, break the compiled graph)."""
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -10,6 +11,7 @@ import shlex
 import sys
 import time
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -421,20 +423,27 @@ def test_auto_compile_on_a_cpu_follows_measured_runs_of_the_shape(monkeypatch, t
     for name, value in others.items():
         assert not runtime.resolve_compile("auto", cpu, cfg.replace(**{name: value}), steps)[0], name
     assert runtime.resolve_compile("auto", torch.device("cuda"), cfg, steps)[0] is True
+    assert runtime.resolve_compile("auto", torch.device("mps"), cfg, steps) == (False, "auto: mps")
 
 
 def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choice(monkeypatch, tmp_path):
-    """A CPU run of >= 20 steps records its ms/step (eager, compiled); a run that auto compiled resumes compiled."""
+    """A CPU run of >= 20 steps records its ms/step (eager, compiled: the latest run's) and its compile's seconds
+    (marked warm for that torch only); a run that auto compiled resumes compiled."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     shapes = set()  # what the compiled model is given: one batch shape, so one graph (an eval's too)
     monkeypatch.setattr(torch, "compile", lambda m: (m.register_forward_pre_hook(lambda _, a: shapes.add(a[0].shape)),
                                                      EAGER(m))[1])
-    cfg = tiny_config(tmp_path, max_iters=24, eval_interval=8, exact_val=False, tensorboard=False)
-    for choice in ("false", "true", "true"):  # the second compile finds the shape in inductor's cache: warm
-        train.train(cfg.replace(out_dir=str(tmp_path / choice), compile=choice), verbose=False)
+    cfg = tiny_config(tmp_path, max_iters=20, eval_interval=8, exact_val=False, tensorboard=False)
+    runs = [train.train(cfg.replace(out_dir=str(tmp_path / f"{choice}{i}"), compile=choice), verbose=False)
+            for i, choice in enumerate(("false", "true", "true"))]  # the second compile finds inductor's cache: warm
     assert shapes == {(cfg.batch_size, cfg.block_size)}, shapes
     kept = runtime.remembered(key := runtime.speed_key(cfg.replace(dtype="float32")))[0]
     assert kept.keys() == {"eager", "compiled", "cold_s", "warm_s"} and min(kept.values()) >= 0 < kept["cold_s"], kept
+    assert (kept["eager"], kept["compiled"]) == (runs[0]["ms_per_step_median"], runs[2]["ms_per_step_median"])
+    with monkeypatch.context() as patch:  # another torch's compile starts cold
+        marker = runtime.compiled_here(cfg)
+        patch.setattr(torch, "__version__", "0.0-another")
+        assert runtime.compiled_here(cfg) != marker
     runtime.remembered(key, update=lambda k: k | {"compiled": 1e9})  # compiling loses here: only a kept choice compiles
     real, auto = runtime.resolve_compile, cfg.replace(out_dir=str(tmp_path / "auto"), compile="auto")
     for says, run in ((True, auto.replace(max_iters=8)), (False, auto.replace(resume=True))):
@@ -442,40 +451,50 @@ def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choic
         monkeypatch.setattr(runtime, "resolve_compile", lambda *a, says=says: real(*a) if a[4] not in (None, "auto")
                             else (says, ""))
         summary = train.train(run, verbose=False)
-    assert summary["steps_this_run"] == 16 and json.loads((tmp_path / "auto" / "config.json").read_text())["compile"]
+    assert summary["steps_this_run"] == 12 and json.loads((tmp_path / "auto" / "config.json").read_text())["compile"]
 
 
 def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, capsys, monkeypatch):
-    """The median ms/step (what compile='auto' weighs, with compile_seconds: none here, whatever earlier runs in the
-    process compiled) and the last line's MFU; the tokens of 9 steps count each one's 2 micro-batches of 4 x 16, and
+    """The median ms/step (what compile='auto' weighs, with compile_seconds: this run's, not what earlier runs in
+    the process compiled) and the last line's MFU; the tokens of 9 steps count each one's 2 micro-batches of 4 x 16, and
     a resumed run's figures its own steps only.
     MFU's peaks: of the GPUs named, not their variants."""
-    monkeypatch.setattr(runtime, "compile_time", lambda: 100.0)  # seconds this process has compiled so far
+    monkeypatch.setattr(runtime, "compile_time", itertools.count(100.0, 63.0).__next__)  # this process's so far
     cfg = tiny_config(tmp_path, max_iters=9, log_interval=2, peak_tflops=1.0, gradient_accumulation_steps=2, **QUICK)
     summary, out = train.train(cfg), capsys.readouterr().out
     lines = re.findall(r"step +(\d+) \|.*\| ([\d.]+) ms/step \| ([\d,]+) tok/s", out)
     steps, ms, tok_s = zip(*[(int(s), float(m), float(t.replace(",", ""))) for s, m, t in lines], strict=True)
     assert steps == (0, 2, 4, 6, 8) and summary["steps_this_run"] == 9 == summary["checkpoint_step"]
-    assert summary["ms_per_step_median"] == pytest.approx(np.median(ms), abs=0.05) and summary["compile_seconds"] == 0
-    assert summary["peak_memory_mb"]["cpu_rss_mb"] > 50  # a process with torch loaded: MB, not KiB / 1024
+    assert summary["ms_per_step_median"] == pytest.approx(np.median(ms), abs=0.05) and summary["compile_seconds"] == 63
+    rss, status = summary["peak_memory_mb"]["cpu_rss_mb"], Path("/proc/self/status")  # peak RSS: Linux says it too
+    hwm = int(re.search(r"VmHWM:\s+(\d+) kB", status.read_text())[1]) / 1024 if status.exists() else rss
+    assert 50 < rss and rss == pytest.approx(hwm, rel=0.5)  # MB of a process with torch loaded, not KiB or GB
     flops = GPT(cfg.model_config(len(set(TEXT)))).flops_per_token(cfg.block_size)
     assert summary["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3)
     assert summary["tokens_per_second"] * summary["train_seconds"] == pytest.approx(9 * 2 * 4 * 16)
     s = summary  # the end: what the run reached (no exact val here); and a run of seconds is not told to switch recipes
-    assert f"\ndone: 9 steps in {format_duration(s['wall_seconds'])} ({s['ms_per_step_median']:.1f} ms/step median, " \
-        f"{s['tokens_per_second']:,.0f} tok/s over the run) | best val estimate {s['best_val_loss']:.4f}\n" in out
-    assert "GPU-sized" not in out
+    assert f"\ndone: 9 steps in {format_duration(s['wall_seconds'])}, 63 s of it compiling " \
+        f"({s['ms_per_step_median']:.1f} ms/step median, {s['tokens_per_second']:,.0f} tok/s over the run) | " \
+        f"best val estimate {s['best_val_loss']:.4f}\n" in out
+    assert "GPU-sized" not in out and s["last_val_estimate"] == s["history"][-1]["val_loss"]
+    for h in s["history"]:  # each eval's line: its own two estimates, each in its place
+        assert f"step {h['step']}: train loss {h['train_loss']:.4f}, val loss {h['val_loss']:.4f} (" in out, h
     resumed, out = train.train(cfg.replace(resume=True, max_iters=13)), capsys.readouterr().out  # 4 steps of its own
     tok_s = [float(t.replace(",", "")) for t in re.findall(r"step +\d+ \|.*\| ([\d,]+) tok/s", out)]
     assert resumed["mfu"] == pytest.approx(flops * tok_s[-1] / 1e12, rel=1e-3), "a resumed run's speed counts old steps"
     assert resumed["tokens_per_second"] * resumed["train_seconds"] == pytest.approx(4 * 2 * 4 * 16)
-    for name, peak in [("H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("H200 NVL", None), ("T4", None)]:
+    for name, peak in [("H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", None), ("H200 NVL", None), ("T4", None),
+                       ("NVIDIA A100-SXM4-80GB", 312e12)]:  # data sheets' dense bf16
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert runtime.peak_flops(torch.device("cuda")) == peak, name
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a rank > 0 on a terminal: no bar, no lines, no files
     (rank_dir := tmp_path / "rank1").mkdir()  # ranks share out_dir: rank 0's summary.json is the only one
     log, marks = RunLog(cfg.replace(out_dir=str(rank_dir)), 1, None, 0, False), [(1, .01), (3, .014), (5, .03)]
     assert not log.interactive and log.bar.disable
+    bar = RunLog(cfg.replace(tensorboard=False), 1, None, 5).bar  # on a terminal, a resumed run's: from its step
+    assert (bar.n, bar.total, bar.disable) == (5, cfg.max_iters, False)
+    bar.close()
+    capsys.readouterr()
     facts = {"params": 1, "device": "cpu", "dtype": "float32", "world_size": 1}
     ended = log.summary(facts, [], marks, 5, .03, final_val_loss=None, best_val_loss=math.inf, steps=5,
                         wall_seconds=1.0, compile_seconds=0.0, checkpoint_step=None)
