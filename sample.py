@@ -85,6 +85,8 @@ def attention_png(args: SampleConfig) -> None:
     """Draw each layer's and head's attention over the prompt's last block_size characters."""
     from PIL import Image  # here: only the maps need it
 
+    if args.prompt is None and args.prompt_file is None:  # else a 1 x 1 map of the start token
+        raise ValueError("--attention_png draws a prompt's attention: give --prompt=TEXT or --prompt_file=FILE")
     model, _, prompt, full, ckpt = load(args)
     prompt, ids = prompt[-model.config.block_size:], full[-model.config.block_size:]
     maps = prompt_attention(model, ids)  # L x (H, T, T)

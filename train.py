@@ -124,7 +124,9 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
     finally:
         guard.disarm()
         close_distributed(dist)
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        if deterministic != (torch.are_deterministic_algorithms_enabled(),
+                             torch.is_deterministic_algorithms_warn_only_enabled()):  # its import: not under a Ctrl-C
+            torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
 
 
 def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbose: bool, t_start: float,

@@ -570,7 +570,8 @@ def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
     for backend in ("manual", "sdpa"):
         m = model_from_checkpoint(ckpt, "cpu", attn_backend=backend, dropout=0.0)[0].double().eval()
         if T is not None and not 2 <= T <= (T if m.endless else m.config.block_size):  # a query and an earlier key
-            raise ValueError(f"--T={T}: give 2 to {'any length' if m.endless else f'block_size={m.config.block_size}'}")
+            raise ValueError(f"--T={T}: give a length from 2 to " + ("any" if m.endless else
+                                                                        f"block_size={m.config.block_size}"))
         length = T or min(16, m.config.block_size) + (m.config.block_size if m.endless else 0)
         checks += model_checks(m, test_tokens(m, 3, T=length))
     return checks
@@ -582,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--T", type=int, default=None, help="sequence length for checkpoint checks (default: 16, "
                                                         "plus block_size for a model that runs past it)")
     args = p.parse_args(argv)
+    if args.T is not None and not args.ckpt:
+        p.error("--T sets the length of a checkpoint's checks: give --ckpt too")
     try:
         checks = checkpoint_checks(args.ckpt, args.T) if args.ckpt else list(iter_checks())
     except ValueError as e:  # no checkpoint there, or not one of ours: say so in one line

@@ -9,11 +9,13 @@ path as a test path)
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 
 import causality as C
-from model import GPTConfig
+from model import GPT, GPTConfig
+from mutants import substitute
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
@@ -67,15 +69,41 @@ def test_cached_and_uncached_generation_agree_when_the_window_slides(options, sl
         C.require(C.check_cache_parity(model, C.random_tokens(3, 15, model.config.vocab_size), 40, slide=slide))
 
 
+def saved(model: GPT, path: Path) -> Path:
+    """A checkpoint of model at path, as train.py writes one (13 symbols: a to m)."""
+    from training import save_checkpoint
+
+    save_checkpoint(path, {"model": model.state_dict(), "model_config": model.config.to_dict(), "config": {},
+                           "vocab": {"chars": [chr(97 + i) for i in range(13)]}, "step": 0})
+    return path
+
+
 def test_the_checks_pass_on_checkpoint_weights(request, tmp_path):
     """With --ckpt PATH: on that trained model. Without: on a checkpoint of a re-drawn model written here."""
     path = request.config.getoption("--ckpt")
     if path is None:
-        from training import save_checkpoint
-
-        model, path = C.leak_test_model("manual").float(), tmp_path / "ckpt.pt"
-        save_checkpoint(path, {"model": model.state_dict(), "model_config": model.config.to_dict(), "config": {},
-                               "vocab": {"chars": [chr(97 + i) for i in range(13)]}, "step": 0})
+        path = saved(C.leak_test_model("manual").float(), tmp_path / "ckpt.pt")
     checks = C.checkpoint_checks(str(path))
     print(*checks, sep="\n")
     C.require(*checks)
+
+
+def test_the_checkpoint_command_exits_1_on_a_leak_and_2_on_a_bad_length(tmp_path, capsys, monkeypatch):
+    """`python tests/causality.py --ckpt PATH`: a line per check, exit 0; a leaky rule: its FAIL lines, exit 1."""
+    model, path = C.leak_test_model("manual").float(), tmp_path / "ckpt.pt"
+    saved(model, path)
+    assert C.main(["--ckpt", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == len(C.checkpoint_checks(str(path))) > 0 and all(line.startswith("ok ") for line in out), out
+    assert all(any(f"({backend})" in line for line in out) for backend in ("manual", "sdpa")), out
+    for T in (1, 99):  # a query needs an earlier key; the model, its block
+        assert C.main(["--ckpt", str(path), f"--T={T}"]) == 2
+        assert capsys.readouterr().err == f"error: --T={T}: give a length from 2 to block_size=" \
+            f"{model.config.block_size}\n"
+    with pytest.raises(SystemExit, match="2"):
+        C.main(["--T=5"])  # without --ckpt it would be ignored
+    assert "--T sets the length of a checkpoint's checks: give --ckpt too" in capsys.readouterr().err
+    substitute(monkeypatch, "visible", lambda q, k, *a, **kw: k <= q + 1)  # every query reads one key ahead
+    assert C.main(["--ckpt", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "LEAK" in out and out.count("\n") == len(out.splitlines()), out

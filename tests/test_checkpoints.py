@@ -283,7 +283,8 @@ def test_a_failed_save_leaves_the_old_file_byte_identical_and_no_temp_file(tmp_p
     assert torch.load(path, weights_only=True)["step"] == 2 and os.listdir(tmp_path) == [CKPT_NAME]
 
 
-def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_killed_writes(tmp_path, capsys):
+def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_killed_writes(tmp_path, capsys,
+                                                                                            monkeypatch):
     """Another dataset goes (saying so) to out-mytext, the same one again to out-2; --overwrite replaces the run in
     place: its old curves and the temporary files of killed writes go, the user's own files stay."""
     cfg = tiny_config(tmp_path, max_iters=2, eval_interval=2)
@@ -299,6 +300,8 @@ def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_k
     assert train.train(cfg, verbose=False) and (tmp_path / "out-2" / CKPT_NAME).exists()
     assert run_folder(cfg)[0] == tmp_path / "out-3"  # out-2 is taken now too
     assert run_folder(cfg.replace(dataset="hf:someone/mytext:train"))[0] == tmp_path / "out-mytext-2"  # hf: its name
+    monkeypatch.chdir(tmp_path)  # a config without out_dir: a folder in out/, beside the runs there, not out/ itself
+    assert run_folder(TrainConfig(dataset=cfg.dataset))[0] == Path("out", "run")
     seen = []  # the name a write in progress really has: what a SIGKILL would leave
     write_atomic(out / CKPT_NAME, lambda f: seen.extend(set(os.listdir(out)) - set(before)))
     stale = [out / seen[0], out / ".config.json.1234.0badf00d.tmp", out / ".summary.json.1234.0badf00d.tmp"]
@@ -310,8 +313,8 @@ def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_k
     assert not any(p.exists() for p in stale) and (out / "notes.txt").exists(), "temporaries kept or notes.txt gone"
     shutil.copytree(out, solo := tmp_path / "solo", ignore=lambda _, names: set(names) - {CKPT_NAME})  # ckpt.pt alone
     assert run_folder(tiny_config(tmp_path, out_dir=str(solo)))[0] == tmp_path / "solo-2"  # is a run
-    for resume in (True, False):  # --overwrite with --resume continues the run: its checkpoint, curves and summary
-        prepare_run_folder(cfg.replace(overwrite=True, resume=resume), {})  # stay
+    for resume in (True, False):  # --resume continues the run: its checkpoint, curves and summary stay
+        prepare_run_folder(cfg.replace(overwrite=not resume, resume=resume), {})
         assert (out / "summary.json").exists() == resume == any(out.glob("events.out.tfevents.*")) == \
             (out / CKPT_NAME).exists()
 

@@ -154,7 +154,9 @@ def test_sample_options_take_a_value_after_a_space_and_a_bare_flag_takes_none():
     ("--max_new_tokens=-1", "--max_new_tokens must be >= 0, got -1"), ("--ckpt=", "--ckpt must be non-empty, got ''"),
     ("--out_dir=", "--out_dir must be non-empty"), ("--prompt_file=", "--prompt_file must be non-empty"),
     ("{ckpt} --slide=17", "slide must be an integer in [1, block_size=16], got 17"),
-    ("--device=foo", "--device must be one of auto, cpu"), ("{ckpt} --attention_png=m.x", "write m.x: unknown file"),
+    ("--device=foo", "--device must be one of auto, cpu"), ("{ckpt} --device=cuda:64", "device='cuda:64' but this"),
+    ("{ckpt} --prompt=R --attention_png=m.x", "write m.x: unknown file"),
+    ("{ckpt} --attention_png", "--attention_png draws a prompt's attention: give --prompt=TEXT or --prompt_file=FILE"),
     ("out", "unexpected argument 'out': options start with --")])
 def test_a_bad_sample_command_line_is_one_error_line_before_any_text(runs, capsys, argv, fragment):
     path = runs[1]["a_new"]

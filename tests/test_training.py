@@ -247,6 +247,9 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
         path.write_text(f"{key} = true\n")
         with pytest.raises(ValueError, match=re.escape(f"config field {key} must be {kind}, got True")):
             parse_args([str(path)])
+    for value in ("true", "false"):  # a choice named so: TOML's boolean is that choice
+        path.write_text(f"compile = {value}\n")
+        assert parse_args([str(path)]).compile == value
 
 
 def test_every_architecture_field_of_a_run_reaches_its_model():
@@ -261,13 +264,19 @@ def test_every_architecture_field_of_a_run_reaches_its_model():
     ("--n_embd=100", "n_embd=100 must be divisible by n_head=6"), ("--max_iters=0", "max_iters must be >= 1"),
     ("--learning_rate=0", "learning_rate must be > 0"), ("--attn_backend=flash", "not one of manual, sdpa"),
     ("--learning_rate=nan", "learning_rate must be a finite number, got nan"),
-    ("--beta2=1", "beta2 must be in [0, 1), got 1.0"), ("--min_lr=1", "min_lr=1.0 exceeds learning_rate"),
+    ("--beta2=1", "beta2 must be in [0, 1), got 1.0"),
+    ("--min_lr=1", "min_lr=1.0 exceeds learning_rate=0.001; give --min_lr <= 0.001"),
     ("--n_layer=four", "n_layer: 'four' is not a valid int"), ("--split=train", "applies to hf: datasets only"),
     ("--text_column=body", "text_column='body' applies to hf: datasets only"),
     ("--device=tpu", "device must be one of auto, cpu, cuda, cuda:N, mps, got 'tpu'"),
     (f"--seed={2**62 + 1}", f"seed must be in [0, 2**62], got {2**62 + 1}"),  # rank and step seeds stay int64
     ("--dataset=", "dataset must be non-empty, got ''"), ("--out_dir=' '", "out_dir must be non-empty, got ' '"),
-    ("--warmup_iters=10 --lr_decay_iters=0 --max_iters=50", "lr_decay_iters=0 ends the decay before warmup_iters=10")])
+    ("--warmup_iters=10 --lr_decay_iters=0 --max_iters=50", "lr_decay_iters=0 ends the decay before warmup_iters=10"),
+    ("--min_lr=0 --max_iters=60 --lr_decay_iters=50", "max_iters=60 runs past lr_decay_iters=50 at min_lr=0, where "
+                                                       "steps change nothing; give --lr_decay_iters=60"),
+    ("--resume --overwrite", "--resume continues the run in out_dir and --overwrite replaces it: give one of them"),
+    ("--zzz=1", "unknown config key 'zzz'; python train.py --help lists them"),  # no guess, nor every key
+    ("--lr=1", "unknown config key 'lr'; did you mean learning_rate? python train.py --help lists them")])
 def test_an_invalid_value_is_refused_naming_the_field(override, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         parse_args(shlex.split(override))  # --out_dir=' ': a blank name is empty too

@@ -78,7 +78,7 @@ def prepare_run_folder(cfg: Any, facts: dict) -> None:
         raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); give another "
                          "--out_dir") from None
     stale = list(out.glob(".*.tmp"))
-    if cfg.overwrite and not cfg.resume:  # else its curves mix with this one's, its weights pass for this run's
+    if cfg.overwrite:  # else its curves mix with this one's, its weights pass for this run's
         stale += [*out.glob("events.out.tfevents.*"), out / "summary.json", out / CKPT_NAME]
     for path in stale:
         path.unlink(missing_ok=True)

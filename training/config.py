@@ -53,6 +53,8 @@ def check_fields(options: Any) -> None:
             continue
         if kind is float and type(value) is int:
             object.__setattr__(options, f.name, value := float(value))  # TOML's 1 for 1.0
+        if choices and type(value) is bool and str(value).lower() in choices:
+            object.__setattr__(options, f.name, value := str(value).lower())  # TOML's true for "true"
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
         if kind is float and not math.isfinite(value):
@@ -81,7 +83,7 @@ class TrainConfig:
     documents: str = opt("", "a document per line or per blank-line-separated paragraph of a file ('' = the file "
                              "is one text; a folder's files and an hf: dataset's rows are documents anyway)", DOCUMENTS)
     doc_mask: bool = opt(False, "no query reads a key of another document (needs documents)")
-    out_dir: str = opt("out", "run folder: checkpoint, summary, config, TensorBoard events", rule="non-empty")
+    out_dir: str = opt("out/run", "run folder: checkpoint, summary, config, TensorBoard events", rule="non-empty")
     n_layer: int = opt(6, "transformer blocks")
     n_head: int = opt(6, "attention heads (must divide n_embd)")
     n_embd: int = opt(384, "embedding width")
@@ -135,7 +137,13 @@ class TrainConfig:
             raise ValueError(f"config field lr_decay_iters={self.lr_decay_iters} ends the decay before "
                              f"warmup_iters={self.warmup_iters} ends; give lr_decay_iters >= warmup_iters")
         if self.min_lr > self.learning_rate:
-            raise ValueError(f"config field min_lr={self.min_lr} exceeds learning_rate={self.learning_rate}")
+            raise ValueError(f"config field min_lr={self.min_lr} exceeds learning_rate={self.learning_rate}; give "
+                             f"--min_lr <= {self.learning_rate}")
+        if self.min_lr == 0 and self.lr_decay_iters < self.max_iters:  # lr 0 moves no weight: those steps do nothing
+            raise ValueError(f"config field max_iters={self.max_iters} runs past lr_decay_iters={self.lr_decay_iters} "
+                             f"at min_lr=0, where steps change nothing; give --lr_decay_iters={self.max_iters}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one of them")
         try:
             self.model_config(1)
         except ValueError as e:
@@ -156,12 +164,13 @@ class TrainConfig:
 
 
 def check_key(key: str, kind: type, where: str = "") -> None:
-    """Raise for a key that is not a field of kind, naming the closest fields (else all)."""
+    """Raise for a key that is not a field of kind, naming the closest fields (or the one its initials spell)."""
     names = [f.name for f in dataclasses.fields(kind)]
     if key not in names:
-        close = difflib.get_close_matches(key, names, n=3)
-        hint = f"did you mean {' or '.join(close)}?" if close else f"valid keys: {', '.join(names)}"
-        raise ValueError(f"unknown {kind.KEY} {key!r}{where}; {hint} (python {kind.PROGRAM} --help lists them)")
+        close = difflib.get_close_matches(key, names, n=3) or [n for n in names  # or its initials: lr
+                                                               if key == "".join(w[0] for w in n.split("_"))]
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ValueError(f"unknown {kind.KEY} {key!r}{where}; {hint}python {kind.PROGRAM} --help lists them")
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
