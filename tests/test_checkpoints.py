@@ -214,6 +214,7 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
                                        cfg.replace(max_iters=4), ["at step 2 (the best val estimate's), and the run "
                                                                   "ended at step 4"]),
     "optimizer": (lambda cfg, out: cfg.replace(optimizer="muon"), ["optimizer: checkpoint 'adamw' vs config 'muon'"]),
+    "seed": (lambda cfg, out: cfg.replace(seed=1338), ["seed: checkpoint 1337 vs config 1338. Give --seed=1337"]),
     "newer_version": (lambda cfg, out: torch.save({**(c := load_checkpoint(out / CKPT_NAME)), "model_config": {
         **c["model_config"], "n_kv_head": 2}}, out / CKPT_NAME) or cfg, ["model_config does not fit", "n_kv_head"]),
     "truncated": (lambda cfg, out: (out / CKPT_NAME).write_bytes((out / CKPT_NAME).read_bytes()[:20000]) and cfg,

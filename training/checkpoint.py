@@ -163,10 +163,11 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
     if theirs != tok:
         raise ValueError("cannot resume: the checkpoint has another vocabulary (differing: "
                          f"{sorted(set(theirs.chars) ^ set(tok.chars))[:10]}). Use its dataset, or drop --resume")
-    optimizer = ckpt["config"].get("optimizer", "adamw")
-    if optimizer != cfg.optimizer:  # its state would not fit
-        raise ValueError(f"cannot resume: optimizer: checkpoint {optimizer!r} vs config {cfg.optimizer!r}. Give "
-                         f"--optimizer={optimizer}, or drop --resume")
+    # the optimizers' state would not fit; the eval batches and the other ranks' streams follow the seed
+    for name, theirs in (("optimizer", ckpt["config"].get("optimizer", "adamw")), ("seed", ckpt["config"].get("seed"))):
+        if theirs not in (None, getattr(cfg, name)):
+            raise ValueError(f"cannot resume: {name}: checkpoint {theirs!r} vs config {getattr(cfg, name)!r}. Give "
+                             f"--{name}={theirs}, or drop --resume")
     step, ended = ckpt["step"], finished_at(path.parent / "summary.json", ckpt)
     if step > cfg.max_iters:
         raise ValueError(f"--resume: {path} is at step {step}, past max_iters={cfg.max_iters}; give --max_iters > "
