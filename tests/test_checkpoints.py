@@ -144,8 +144,9 @@ def test_the_state_dict_has_no_wrapper_prefixes_and_config_and_vocab_are_plain_d
     for key in ("model_config", "config", "vocab", "step", "best_val_loss", "history"):  # plain data: JSON's
         assert json.loads(json.dumps(ckpt[key])) == ckpt[key], key
     assert TrainConfig(**ckpt["config"]).out_dir == str(folder / "split")
-    with pytest.raises(ValueError, match="checkpoint model_config does not fit its weights"):  # not a TypeError
-        model_from_checkpoint({**ckpt, "model_config": {**ckpt["model_config"], "n_kv_head": 2}})  # a newer field
+    for other in ({"n_kv_head": 2}, {"n_layer": 1}):  # a newer field (not a TypeError); fewer layers than weights
+        with pytest.raises(ValueError, match="checkpoint model_config does not fit its weights"):
+            model_from_checkpoint({**ckpt, "model_config": {**ckpt["model_config"], **other}})
 
 
 def test_every_torch_load_in_the_repository_passes_weights_only_true():
@@ -205,15 +206,20 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
     "vocabulary": (lambda cfg, out: (out.parent / "other.txt").write_text(TEXT.replace("R", "Z") * 100) and  # beside
                    cfg.replace(dataset=str(out.parent / "other.txt")),  # out_dir: the snapshot stays out_dir's
                    ["another vocabulary", "differing: ['R', 'Z']", "drop --resume"]),
-    "past_max_iters": (lambda cfg, out: cfg.replace(max_iters=3), ["is at step 4, past max_iters=3"]),
+    "past_max_iters": (lambda cfg, out: cfg.replace(max_iters=3), ["is at step 4, past max_iters=3; give --max_iter"
+                                                                   "s > 4"]),
     "finished": (lambda cfg, out: cfg.replace(max_iters=4), ["is at step 4 = max_iters: the run is finished",
                                                             "summary.json", "--max_iters > 4"]),
     "finished_after_its_best": (lambda cfg, out: torch.save({**load_checkpoint(out / CKPT_NAME), "step": 2}, out /
-        CKPT_NAME) or cfg.replace(max_iters=4), ["at step 2 (the best val estimate's), and the run ended at step 4"]),
+        CKPT_NAME) or cfg.replace(max_iters=4), ["at step 2 (the best val estimate's), and the run ended at step 4",
+                                                 "give --max_iters > 4"]),
     "finished_after_an_interruption": (lambda cfg, out: interrupted_then_finished(out, step=2) or
                                        cfg.replace(max_iters=4), ["at step 2 (the best val estimate's), and the run "
                                                                   "ended at step 4"]),
     "optimizer": (lambda cfg, out: cfg.replace(optimizer="muon"), ["optimizer: checkpoint 'adamw' vs config 'muon'"]),
+    "optimizer_unrecorded": (lambda cfg, out: torch.save({**(c := load_checkpoint(out / CKPT_NAME)), "config": {  # old
+        k: v for k, v in c["config"].items() if k != "optimizer"}}, out / CKPT_NAME) or cfg.replace(optimizer="muon"),
+        ["optimizer: checkpoint 'adamw' vs config 'muon'"]),
     "seed": (lambda cfg, out: cfg.replace(seed=1338), ["seed: checkpoint 1337 vs config 1338. Give --seed=1337"]),
     "newer_version": (lambda cfg, out: torch.save({**(c := load_checkpoint(out / CKPT_NAME)), "model_config": {
         **c["model_config"], "n_kv_head": 2}}, out / CKPT_NAME) or cfg, ["model_config does not fit", "n_kv_head"]),
@@ -224,7 +230,7 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
                  ["is not a checkpoint written by this project"]),
     "pickled_object": (lambda cfg, out: torch.save({**load_checkpoint(out / CKPT_NAME), "vocab": WritesMarker(
         out.parent / "code_ran")}, out / CKPT_NAME) or cfg,
-        ["holds pickled objects other than tensors and plain data; refused"]),
+        ["holds pickled objects other than tensors and plain data; refused (they could run code): io.open\n"]),
 }
 
 
@@ -296,7 +302,8 @@ def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_k
     (other := tmp_path / "mytext.txt").write_text("Another corpus, of other characters. " * 40)
     assert train.main(cli_args(cfg.replace(dataset=str(other)))) == 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert f"writes to {tmp_path / 'out-mytext'}" in capsys.readouterr().out
+    assert f"writes to {tmp_path / 'out-mytext'} (--resume continues that run, --overwrite replaces it)\n" in \
+        capsys.readouterr().out
     assert load_checkpoint(tmp_path / "out-mytext" / CKPT_NAME)["config"]["dataset"] == str(other)
     assert train.train(cfg, verbose=False) and (tmp_path / "out-2" / CKPT_NAME).exists()
     assert run_folder(cfg)[0] == tmp_path / "out-3"  # out-2 is taken now too
@@ -307,11 +314,11 @@ def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_k
     write_atomic(out / CKPT_NAME, lambda f: seen.extend(set(os.listdir(out)) - set(before)))
     stale = [out / seen[0], out / ".config.json.1234.0badf00d.tmp", out / ".summary.json.1234.0badf00d.tmp"]
     assert len(seen) == 1 and stale[0].name.startswith(f".{CKPT_NAME}.") and stale[0].name.endswith(".tmp")
-    for p in [*stale, out / "notes.txt"]:
+    for p in [*stale, out / "notes.txt", out / "draft.tmp"]:  # the user's own files, a .tmp too, stay
         p.write_bytes(b"torn")
     assert train.main(cli_args(cfg.replace(overwrite=True, max_iters=3, lr_decay_iters=3))) == 0
     assert load_checkpoint(out / CKPT_NAME)["step"] == 3 and len(list(out.glob("events.out.tfevents.*"))) == 1
-    assert not any(p.exists() for p in stale) and (out / "notes.txt").exists(), "temporaries kept or notes.txt gone"
+    assert not any(p.exists() for p in stale) and (out / "notes.txt").exists() and (out / "draft.tmp").exists()
     shutil.copytree(out, solo := tmp_path / "solo", ignore=lambda _, names: set(names) - {CKPT_NAME})  # ckpt.pt alone
     assert run_folder(tiny_config(tmp_path, out_dir=str(solo)))[0] == tmp_path / "solo-2"  # is a run
     for resume in (True, False):  # --resume continues the run: its checkpoint, curves and summary stay

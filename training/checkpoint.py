@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pickle
+import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -111,8 +112,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))  # the object torch refused, in its long text
         raise ValueError(f"{path} holds pickled objects other than tensors and plain data; refused (they could "
-                         f"run code): {str(e).splitlines()[-1]}") from None
+                         f"run code): {found[1] if found else str(e).splitlines()[-1]}") from None
     except Exception as e:  # noqa: BLE001 - torch raises many types here
         raise ValueError(f"{path} is not a loadable checkpoint: {type(e).__name__}: {e}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
