@@ -184,6 +184,8 @@ def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(hf
     assert corpus.tokenizer.decode(corpus.val) == CORPUS[1800:1900] + SEP + CORPUS[1900:]  # validation + test
     assert load_text(f"{saved}:validation")[0] == load_text(saved, split="validation")[0] == SEP + CORPUS[1800:1900]
     assert load_text(saved, split="test") == (SEP + CORPUS[1900:], f"{saved}:test")  # the name says which split
+    one = load_corpus(saved, "validation", "text")  # (dataset, split, text_column), as a run passes them
+    assert one.name == f"{saved}:validation" and set(one.tokenizer.chars) == set(SEP + CORPUS[1800:1900])
     with pytest.raises(ValueError, match="names split 'test' but config field split='train'"):
         load_text(f"{saved}:test", split="train")
     hf.DatasetDict({k: hf.Dataset.from_dict({"text": [k]}) for k in ("extra", "train")}).save_to_disk(tmp_path / "x")
@@ -225,6 +227,15 @@ def test_an_unknown_split_or_column_is_one_error_naming_it(saved, hf, tmp_path, 
         with pytest.raises(ValueError) as e:
             load_text(dataset, **{field: value})
         assert re.search(rf"['\"]{value}['\"]", single_error(e)), (dataset, str(e.value))
+        assert field != "split" or dataset != saved or "; it has ['test', 'train', 'validation']" in str(e.value)
+
+
+def test_a_dataset_path_may_start_at_home_and_a_text_column_be_a_large_string(hf, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "mine.txt").write_text("abc", encoding="utf-8")
+    hf.Dataset.from_dict({"body": ["de"]}, features=hf.Features({"body": hf.Value("large_string")})).to_parquet(
+        tmp_path / "mine.parquet")  # arrow's 64-bit-offset strings: what big exports hold
+    assert load_text("~/mine.txt")[0] == "abc" and load_text("hf:~/mine.parquet")[0] == SEP + "de"
 
 
 def test_a_file_that_hf_cannot_read_is_one_error_naming_it_and_why(hf, tmp_path):
@@ -266,7 +277,8 @@ def test_documents_are_lines_or_paragraphs_each_opened_by_the_separator_which_pr
     assert [load_text(str(path), documents=d)[0] for d in ("lines", "paragraphs")] == [
         SEP + "ab" + SEP + " " + SEP + "cd" + SEP + "ef", SEP + "ab" + SEP + "cd\r\nef"]
     path.write_text("ab\nc" + SEP + "d\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="document 1 contains U\\+001E, the document separator"):
+    with pytest.raises(ValueError, match="document 1 contains U\\+001E, the document separator; remove it first, "
+                                         "e.g. tr -d '\\\\036' < FILE > FILE.clean"):
         load_text(str(path), documents="lines")
     path.write_text("ann\nbo\ncyd\n", encoding="utf-8")
     corpus = load_corpus(str(path), documents="lines")

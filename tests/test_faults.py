@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 import train
+from data import load_corpus
 from model import GPT
 from tiny import ROOT, TEXT, cli_args, tiny_config
 from training import CKPT_NAME, load_checkpoint
@@ -161,7 +162,8 @@ def test_sigterm_inside_an_evaluation_ends_the_run_at_once_saving_the_last_compl
     assert summary["interrupted"] == ckpt["interrupted"] == "SIGTERM" and summary["steps"] == ckpt["step"] == step
     assert [h["step"] for h in ckpt["history"]] == [h["step"] for h in summary["history"]] == evals
     text = capsys.readouterr().out
-    assert summary["final_val_loss"] is None and f"interrupted by SIGTERM after {step} steps" in text
+    assert summary["final_val_loss"] is None and f"interrupted by SIGTERM after {step} steps: saved " \
+        f"{out / CKPT_NAME} at step {step}; run the same command with --resume to continue\n" in text
     assert ("best val estimate" in text) != first  # the done line names it where one was made (not "inf")
     if first:  # the step-0 state is the initial model
         torch.manual_seed(cfg.seed)
@@ -169,7 +171,8 @@ def test_sigterm_inside_an_evaluation_ends_the_run_at_once_saving_the_last_compl
         assert all(torch.equal(ckpt["model"][k], v) for k, v in init.items())
     monkeypatch.undo()  # and the cut run is not "finished": --resume completes it
     assert train.main(cli_args(cfg.replace(resume=True, eval_iters=2))) == 0
-    assert json.loads((out / "summary.json").read_text())["final_val_loss"] is not None
+    final, val = json.loads((out / "summary.json").read_text())["final_val_loss"], load_corpus(cfg.dataset).val
+    assert f"exact val loss over all {len(val) - 1:,} val targets: {final:.4f} (" in capsys.readouterr().out
     (guard := RunGuard(out / CKPT_NAME, distributed=True, announce=False)).signum = signal.SIGTERM
     assert not guard.stopping()  # under torchrun an evaluation runs on: the other ranks wait in it
 

@@ -136,7 +136,9 @@ def test_the_attention_maps_are_the_weights_each_layer_attends_with(monkeypatch)
 
 @pytest.mark.parametrize("kwargs, match", [(dict(n_embd=30, n_head=4), "n_embd=30 must be divisible by n_head=4"),
     (dict(n_layer=0), "n_layer must be a positive integer"), (dict(block_size=2.5), "block_size must be a positive"),
-    (dict(attn_backend="flash"), "attn_backend='flash' is unknown"), (dict(dropout=1.0), "dropout must be in"),
+    (dict(attn_backend="flash"), r"attn_backend='flash' is unknown; choose one of \('manual', 'sdpa'\)"),
+    (dict(dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"), (dict(dropout=-0.1), "got -0.1"),
+    (dict(n_layer=True), "n_layer must be a positive integer, got True"), (dict(doc_sep=-1), "doc_sep=-1 is not"),
     (dict(pos_emb="rope", n_embd=18, n_head=2), "needs an even head width, got 9"),
     (dict(attn_window=-1), "attn_window must be an integer >= 0"), (dict(attn_window=True), "got True"),
     (dict(attn_window=13), "exceeds block_size=12"),
@@ -147,6 +149,7 @@ def test_a_model_config_refusal_names_the_field_and_the_value(kwargs, match):
     with pytest.raises(AttributeError):  # and a built config is frozen
         tiny().n_layer = 3
     assert tiny(attn_window=12).attn_window == 12  # a window as long as the block is allowed
+    assert tiny(n_embd=18, n_head=2).n_embd == 18  # an odd head width: learned positions need no pairs
 
 
 def test_the_head_is_tied_to_the_embedding_and_residual_projections_start_smaller():

@@ -82,7 +82,7 @@ def test_the_degenerate_settings_all_draw_the_argmax(options):
 
 @pytest.mark.parametrize("options, message", [
     (dict(temperature=-1.0), "temperature must be a finite number"), (dict(top_p=0.0), "top_p must be in"),
-    (dict(temperature=math.nan), "temperature must be a finite number"), (dict(top_k=0), "top_k must be >= 1"),
+    (dict(temperature=math.nan), "temperature must be a finite number"), (dict(top_k=0), "top_k must be >= 1, got 0"),
     (dict(temperature=math.inf), "temperature must be a finite number")])  # inf: every token alike, silently
 def test_impossible_settings_are_refused_naming_them(options, message):
     with pytest.raises(ValueError, match=message):

@@ -18,7 +18,7 @@ from tensorboard.plugins.hparams import api_pb2, metadata
 import train
 from data import SEPARATOR, load_corpus
 from reference import rule_grid
-from tiny import ROOT, ctrl_c_in_batch, tiny_config
+from tiny import ROOT, TEXT, ctrl_c_in_batch, tiny_config
 from training import CKPT_NAME, parse_args
 from training.visualize import BLACK, EMPTY, HIGH, INVALID, LOW, colour, layout_for, render_attention
 
@@ -31,7 +31,8 @@ steps = lambda acc, tag: [e.step for e in acc.Scalars(tag)]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    cfg = tiny_config(tmp_path_factory.mktemp("tb"), max_iters=16, sample_tokens=8,  # finished; evaluated as often,
+    (folder := tmp_path_factory.mktemp("tb")).joinpath("corpus.txt").write_text(TEXT * 100 + TEXT[:50])  # val: not
+    cfg = tiny_config(folder, max_iters=16, sample_tokens=8,  # train's first characters; finished; evaluated as often,
                       eval_interval=16 * RECIPE.eval_interval // RECIPE.max_iters,  # for its length, as the recipe
                       log_interval=3, peak_tflops=1.0)  # an MFU
     with QUIET:
@@ -97,12 +98,15 @@ def test_a_text_sample_continuing_a_newline_and_attention_images_leaving_the_fut
     assert set(acc.Tags()["images"]) == {f"maps/attention_layer_{layer}" for layer in range(cfg.n_layer)}
     T = min(train.ATTENTION_CHARS, cfg.block_size)  # the val split's first characters
     lay, hidden = layout_for(1, cfg.n_head, T), ~rule_grid(T, T, cfg.attn_window).numpy()  # the rule's hidden keys
+    corpus, (x0, y0) = load_corpus(cfg.dataset), lay.origin(0, 0)
+    keys = np.s_[y0 - lay.label:y0, x0:x0 + T * lay.cell]  # the key labels above a tile: the val text's characters
+    labels = render_attention([torch.zeros(cfg.n_head, T, T)], [corpus.tokenizer.chars[i] for i in corpus.val[:T]])
     for layer in range(cfg.n_layer):
         images = acc.Images(f"maps/attention_layer_{layer}")
         assert [e.step for e in images] == steps(acc, "loss/val")
         for e in images:
             image = np.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("RGB"))
-            assert image.shape == (lay.size[1], lay.size[0], 3)
+            assert image.shape == (lay.size[1], lay.size[0], 3) and (image[keys] == labels[keys]).all()
             for head in range(cfg.n_head):
                 x, y = lay.origin(0, head)
                 cells = image[y:y + T * lay.cell, x:x + T * lay.cell].reshape(T, lay.cell, T, lay.cell, 3)

@@ -236,6 +236,8 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
     assert parse_args(["--max_iters=50", "--lr_decay_iters=50"]).warmup_iters == 100  # ends in its warmup: no decay
     spaced = parse_args(["--compile", "auto", "--resume", "on", "--exact_val", "False"])  # a value after a bare flag
     assert (spaced.compile, spaced.resume, spaced.exact_val) == ("auto", True, False)
+    edges = parse_args(["--resume=yes", "--bias=1", f"--seed={2**62}"])  # yes/no, 1/0, on/off; the largest seed
+    assert (edges.resume, edges.bias, edges.seed) == (True, True, 2**62)
     with pytest.raises(ValueError, match=re.escape("config field dtype='fp16' is not one of auto, float32")):
         parse_args(["--dtype", "fp16"])  # a choice without a bare value takes any next word, to refuse it
     for argv in (["--resume", str(path)], ["--max_iters=5", str(path)]):  # the file out of place
@@ -276,6 +278,7 @@ def test_every_architecture_field_of_a_run_reaches_its_model():
                                                        "steps change nothing; give --lr_decay_iters=60"),
     ("--resume --overwrite", "--resume continues the run in out_dir and --overwrite replaces it: give one of them"),
     ("--zzz=1", "unknown config key 'zzz'; python train.py --help lists them"),  # no guess, nor every key
+    ("--warmup=5", "did you mean warmup_iters?"), ("--documents=words", "is not one of '', lines, paragraphs"),
     ("--lr=1", "unknown config key 'lr'; did you mean learning_rate? python train.py --help lists them")])
 def test_an_invalid_value_is_refused_naming_the_field(override, match):
     with pytest.raises(ValueError, match=re.escape(match)):
@@ -340,6 +343,8 @@ def test_adamw_decays_only_2d_weights_and_muon_takes_the_block_matrices_each_par
     for pays, dtype in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr("training.optim.bf16_pays", lambda *a, pays=pays, **k: (pays, ""))
         assert configure_optimizers(model, TrainConfig(optimizer="muon"))[0].ns_dtype == dtype
+    muon = configure_optimizers(model, TrainConfig(optimizer="muon", muon_lr=0.03, muon_momentum=0.7))[0].defaults
+    assert (muon["lr"], muon["momentum"]) == (0.03, 0.7)  # its own settings, not AdamW's
     for optimizer in ("adamw", "muon"):
         optimizers = configure_optimizers(model, TrainConfig(optimizer=optimizer, weight_decay=0.1, beta1=0.8,
                                                              beta2=0.95))
@@ -358,7 +363,8 @@ def test_muon_steps_by_orthogonalised_nesterov_momentum_scaled_up_for_tall_matri
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(*shape, generator=g)) for shape in ((48, 16), (48, 16), (16, 48))]
     lr, beta = 0.1, 0.9
-    opt, momentum = Muon(params, lr=lr, momentum=beta, ns_dtype=torch.float32), [torch.zeros_like(p) for p in params]
+    opt, momentum = Muon(params, lr=1.0, momentum=beta, ns_dtype=torch.float32), [torch.zeros_like(p) for p in params]
+    opt.param_groups[0]["lr"] = lr  # as set_lr schedules it: a step takes its group's lr, not the peak
     for _ in range(3):
         before = [p.detach().clone() for p in params]
         for p in params:
