@@ -236,8 +236,8 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
     assert parse_args(["--max_iters=50", "--lr_decay_iters=50"]).warmup_iters == 100  # ends in its warmup: no decay
     spaced = parse_args(["--compile", "auto", "--resume", "on", "--exact_val", "False"])  # a value after a bare flag
     assert (spaced.compile, spaced.resume, spaced.exact_val) == ("auto", True, False)
-    edges = parse_args(["--resume=yes", "--bias=1", f"--seed={2**62}"])  # yes/no, 1/0, on/off; the largest seed
-    assert (edges.resume, edges.bias, edges.seed) == (True, True, 2**62)
+    edges = parse_args(["--resume=yes", "--bias=1", f"--seed={2**62}", "--weight_decay=0"])  # yes, 1; range ends
+    assert (edges.resume, edges.bias, edges.seed, edges.weight_decay) == (True, True, 2**62, 0.0)
     with pytest.raises(ValueError, match=re.escape("config field dtype='fp16' is not one of auto, float32")):
         parse_args(["--dtype", "fp16"])  # a choice without a bare value takes any next word, to refuse it
     for argv in (["--resume", str(path)], ["--max_iters=5", str(path)]):  # the file out of place
