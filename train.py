@@ -79,10 +79,10 @@ class Run:
 def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
     """Run cfg, one rank under torchrun; returns summary.json's dict. verbose=False: no output."""
     t_start = time.perf_counter()
-    out_dir, moved = checkpoint.run_folder(cfg)  # never into another run's folder, unless asked
-    fresh, done = not out_dir.exists(), 0  # a run that made its folder and fails before a step leaves no folder
-    cfg = cfg.replace(out_dir=str(out_dir))
     dist = init_distributed(os.environ, cfg.device)
+    # never into another run's folder, unless asked; rank 0, the one that writes, claims it
+    out_dir, moved, fresh = checkpoint.run_folder(cfg, claim=dist.is_main)
+    cfg, done = cfg.replace(out_dir=str(out_dir)), 0
     guard = RunGuard(out_dir / checkpoint.CKPT_NAME, dist.enabled, announce=verbose and dist.is_main)
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     run = None
@@ -112,10 +112,14 @@ def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True)
                 break
         return finish(run, done, stop)
     except (KeyboardInterrupt, Exception) as e:
-        if fresh and not done and dist.is_main:  # a retry then writes to the same folder, not NAME-2, NAME-3, ...
+        if fresh is not None and not done and dist.is_main:  # a retry then takes the same folder, not NAME-2, ...
             if run is not None and run.log.writer is not None:
                 run.log.writer.close()  # else its thread writes the events file back into the folder, or fails
-            shutil.rmtree(out_dir, ignore_errors=True)
+            if fresh:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            else:  # the user's empty folder: empty again
+                for path in [out_dir / "config.json", *out_dir.glob("events.out.tfevents.*")]:
+                    path.unlink(missing_ok=True)
         kept = guard.kept(run.saved if run else None)
         if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: say what is on disk
             raise KeyboardInterrupt(kept) from None

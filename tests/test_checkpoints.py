@@ -327,6 +327,28 @@ def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_k
             (out / CKPT_NAME).exists()
 
 
+def test_runs_started_at_once_never_share_a_folder_and_a_failed_one_gives_its_folder_back(tmp_path, monkeypatch):
+    """A second run starting while the first loads its corpus (both found out/ free) goes beside it. An empty folder
+    of the user's is claimed by its config.json; a run there that fails before a step leaves it empty again."""
+    cfg, load, other = tiny_config(tmp_path, max_iters=2, exact_val=False), train.load_corpus, []
+    monkeypatch.setattr(train, "load_corpus", lambda *a: other.append(run_folder(cfg, claim=True)) or load(*a))
+    assert train.train(cfg, verbose=False)["steps"] == 2 and (tmp_path / "out" / CKPT_NAME).exists()
+    assert other == [(tmp_path / "out-2", f"{tmp_path / 'out'} holds another run: this one writes to "
+                      f"{tmp_path / 'out-2'} (--resume continues that run, --overwrite replaces it)", True)]
+    assert os.listdir(tmp_path / "out-2") == ["config.json"]  # claimed: the next run goes to out-3
+    assert run_folder(cfg)[0] == tmp_path / "out-3"
+    (empty := tmp_path / "mine").mkdir()
+    assert run_folder(cfg.replace(out_dir=str(empty)), claim=True) == (empty, None, False)
+    assert run_folder(cfg.replace(out_dir=str(empty)), claim=True)[:2] == (tmp_path / "mine-2", f"{empty} holds "
+        f"another run: this one writes to {tmp_path / 'mine-2'} (--resume continues that run, --overwrite replaces it)")
+    (empty / "config.json").unlink()
+    monkeypatch.setattr(train, "train_step", lambda run, step: [][step])  # a bug, after step 0's eval was logged
+    for folder in (empty, tmp_path / "new"):  # with --overwrite too
+        with pytest.raises(IndexError):
+            train.train(cfg.replace(out_dir=str(folder), overwrite=folder != empty))  # verbose: curves too
+    assert os.listdir(empty) == [] and not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
 def test_a_new_file_gets_the_permissions_of_the_umask_not_0600(tmp_path, umask, mode):
     previous = os.umask(umask)

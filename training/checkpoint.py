@@ -50,34 +50,61 @@ def write_json(path: str | Path, value: Any) -> None:
     write_atomic(path, lambda f: f.write(json.dumps(json_safe(value), indent=2).encode()))
 
 
-def run_folder(cfg: Any) -> tuple[Path, str | None]:
+def run_folder(cfg: Any, claim: bool = False) -> tuple[Path, str | None, bool | None]:
     """Where a run writes: cfg.out_dir, unless it holds another run and cfg says neither resume nor overwrite;
     then a new folder beside it, named for the dataset when that differs (out/x-mytext, out/x-2, ...), and a
-    note saying so."""
+    note saying so. claim (a new run's rank 0): take it by creating its config.json exclusively, so runs started
+    at once never share a folder. Last: True if the folder is new, False if an empty one, None if a run's."""
     out = Path(cfg.out_dir)
-    if cfg.resume or cfg.overwrite or not ((out / "config.json").exists() or (out / CKPT_NAME).exists()):
-        return out, None
+    if cfg.resume or cfg.overwrite:
+        return out, None, not out.exists() or None
     try:
         theirs = json.loads((out / "config.json").read_text())["config"]["dataset"]
     except (OSError, ValueError, KeyError, TypeError):
         theirs = None
     ours = Path(cfg.dataset.removeprefix("hf:").split(":")[0]).stem or "data"
     base = out.name if theirs in (None, cfg.dataset) else f"{out.name}-{ours}"
-    name = next(n for n in itertools.chain([base], (f"{base}-{i}" for i in itertools.count(2)))
-                if n != out.name and not (out.parent / n).exists())
-    return out.parent / name, (f"{out} holds another run" + (f" (of {theirs})" if theirs else "") + f": this one "
-                               f"writes to {out.parent / name} (--resume continues that run, --overwrite replaces it)")
+    for name in itertools.chain([base], (f"{base}-{i}" for i in itertools.count(2))):
+        if (new := free(out.parent / name, claim)) is not None:
+            break
+    folder = out.parent / name
+    return folder, None if folder == out else (f"{out} holds another run" + (f" (of {theirs})" if theirs else "") +
+                                               f": this one writes to {folder} (--resume continues that run, "
+                                               "--overwrite replaces it)"), new
+
+
+def free(folder: Path, claim: bool) -> bool | None:
+    """None if folder holds a run, else whether it is new; claim: make it and its config.json, exclusively (None if
+    another run did first)."""
+    if (folder / CKPT_NAME).exists() or not claim and (folder / "config.json").exists():
+        return None
+    if not claim:
+        return not folder.exists()
+    new = make_folder(folder)
+    try:
+        (folder / "config.json").open("x").close()  # atomic; write_json replaces it
+        return new
+    except FileExistsError:
+        return None
+
+
+def make_folder(out: Path) -> bool:
+    """mkdir -p out; whether this made it. A path that cannot be a folder is refused."""
+    try:
+        out.mkdir(parents=True)
+        return True
+    except OSError as e:
+        if isinstance(e, FileExistsError) and out.is_dir():
+            return False
+        raise ValueError(f"out_dir={out}: cannot create it as a directory ({e.strerror}); give another "
+                         "--out_dir") from None
 
 
 def prepare_run_folder(cfg: Any, facts: dict) -> None:
     """Create out_dir, delete temporary files of killed writes (and, with --overwrite, the replaced run's checkpoint,
     curves and summary), and write config.json (facts)."""
     out = Path(cfg.out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"out_dir={cfg.out_dir}: cannot create it as a directory ({e.strerror}); give another "
-                         "--out_dir") from None
+    make_folder(out)
     stale = list(out.glob(".*.tmp"))
     if cfg.overwrite:  # else its curves mix with this one's, its weights pass for this run's
         stale += [*out.glob("events.out.tfevents.*"), out / "summary.json", out / CKPT_NAME]
