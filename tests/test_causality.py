@@ -28,7 +28,7 @@ COMBINATIONS = [dict(zip(OPTION_VALUES, m + (pos, (i // 2 + (pos == "rope")) % 2
                 for i, m in enumerate(MASKING) for pos in OPTION_VALUES["pos_emb"]]
 
 
-@pytest.mark.parametrize("window", C.WINDOWS)
+@pytest.mark.parametrize("window", [*C.WINDOWS, 1])  # 1: each query reads itself alone
 def test_the_mask_and_attention_read_exactly_what_the_rule_allows(window):
     """The mask is the rule's grid (drawn on failure); output i moves with q, k, v at j, its weight on j is > 0
     and its gradient reaches j exactly where the rule allows; half precision stays finite and on the rule."""
