@@ -480,7 +480,9 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     lines = re.findall(r"step +(\d+) \|.*\| ([\d.]+) ms/step \| ([\d,]+) tok/s", out)
     steps, ms, tok_s = zip(*[(int(s), float(m), float(t.replace(",", ""))) for s, m, t in lines], strict=True)
     assert steps == (0, 2, 4, 6, 8) and summary["steps_this_run"] == 9 == summary["checkpoint_step"]
-    assert summary["ms_per_step_median"] == pytest.approx(np.median(ms), abs=0.05) and summary["compile_seconds"] == 63
+    per_step = np.repeat(ms, [1, 2, 2, 2, 2])  # each line's figure, once per step since the last line
+    assert summary["ms_per_step_median"] == pytest.approx(np.median(per_step), abs=0.05)
+    assert summary["compile_seconds"] == 63
     rss, status = summary["peak_memory_mb"]["cpu_rss_mb"], Path("/proc/self/status")  # peak RSS: Linux says it too
     hwm = int(re.search(r"VmHWM:\s+(\d+) kB", status.read_text())[1]) / 1024 if status.exists() else rss
     assert 50 < rss and rss == pytest.approx(hwm, rel=0.5)  # MB of a process with torch loaded, not KiB or GB
@@ -514,6 +516,9 @@ def test_the_summarys_speed_figures_are_those_of_its_progress_lines(tmp_path, ca
     ended = log.summary(facts, [], marks, 5, .03, final_val_loss=None, best_val_loss=math.inf, steps=5,
                         wall_seconds=1.0, compile_seconds=0.0, checkpoint_step=None)
     assert ended["ms_per_step_median"] == pytest.approx(8)  # of 10, 2 and 8 ms a step
+    marks = [(1, 0.6), (501, 0.6 + 500 * .004)]  # step 0 compiling: 600 ms, then 4 ms each (log_interval=500)
+    assert log.summary(facts, [], marks, 501, marks[-1][1], final_val_loss=None)["ms_per_step_median"] == \
+        pytest.approx(4)  # not 302, halfway
     log.finish(ended, 5, None)
     assert not any(rank_dir.iterdir()) and capsys.readouterr() == ("", "")
     assert [format_duration(s) for s in (89, 90, 3725, 5400, 172799, 172800)] == ["89 s", "2 min", "62 min", "2 h",

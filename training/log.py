@@ -129,7 +129,8 @@ class RunLog:
         """figures plus bpc, run facts and this process's throughput: steps_this_run in `seconds` of training, marks
         = (steps, training seconds) at each log step."""
         final = figures["final_val_loss"]
-        median = float(np.median(step_ms(marks))) if marks else None
+        # each step weighs as one: step 0's interval (its compile) is one step, not one of a few progress lines
+        median = float(np.median(np.repeat(step_ms(marks), np.diff([0, *(n for n, _ in marks)])))) if marks else None
         mfu = self.speed(*marks[-1])[1] if marks else None  # the last progress line's
         return {**figures, "final_val_bpc": None if final is None else bpc(final),
                 "last_val_estimate": history[-1]["val_loss"] if history else None,
