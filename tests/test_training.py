@@ -430,6 +430,9 @@ def test_auto_compile_on_a_cpu_follows_measured_runs_of_the_shape(monkeypatch, t
         runtime.compiled_here(cfg).touch()
     use, why = runtime.resolve_compile("auto", cpu, cfg, steps)
     assert use == want and why.startswith("auto: ") and ("warm" in why) == bool(warm and kept), why
+    if kept == RUNS and not warm:  # which figure is which, what the steps save, what compiling costs
+        assert why == f"auto: compiled 33 vs eager 44 ms/step here, {steps} steps save {steps * 11 / 1000:.0f} s, a " \
+            "cold compile took 55 s", why
     assert runtime.resolve_compile("false", cpu, cfg, steps, kept="true") == (False, "as configured")  # not a resume's
     assert runtime.resolve_compile("auto", cpu, cfg, steps, kept="false") == (False, runtime.KEPT)  # a resume's own
     others = dict(n_layer=2, n_head=4, n_embd=192, block_size=128, batch_size=8, gradient_accumulation_steps=2,

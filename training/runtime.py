@@ -123,8 +123,8 @@ def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int, kep
     kind = "warm_s" if compiled_here(cfg).exists() else "cold_s"
     saving, cost = steps * (runs["eager"] - runs["compiled"]) / 1000, max(runs.get(kind, 0), 0)
     took = f"took {cost:.0f} s" if kind in runs else "is not measured yet"
-    return saving > 2 * cost, (f"auto: {runs['compiled']:.0f} vs {runs['eager']:.0f} ms/step here, {steps} steps save "
-                               f"{saving:.0f} s, a {kind[:4]} compile {took}")
+    return saving > 2 * cost, (f"auto: compiled {runs['compiled']:.0f} vs eager {runs['eager']:.0f} ms/step here, "
+                               f"{steps} steps save {saving:.0f} s, a {kind[:4]} compile {took}")
 
 
 def cpu_bf16_speedup(rows: int, width: int) -> float:
