@@ -251,6 +251,8 @@ def evaluate(run: Run, step: int) -> int | None:
         if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
             check_finite(run)  # raises first if a train loss was non-finite
             raise not_finite(run, f"the loss estimate at step {step} is not finite ({losses}); stopped without saving")
+        if run.history and run.history[-1]["step"] == step:  # the resumed step's, evaluated again
+            run.history.pop()
         run.history.append(run.log.evaluation(step, losses, run.train_seconds, time.perf_counter() - run.t_start))
         snapshot(run, step)
         if losses["val"] < run.best_val or cfg.always_save_checkpoint:

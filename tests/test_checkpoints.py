@@ -249,13 +249,15 @@ def test_a_checkpoint_that_cannot_be_continued_is_refused_before_out_dir_is_touc
 
 
 def test_the_same_copy_resumes_when_nothing_is_wrong(run_dir, capsys):
-    """Positive control of the refusals (the harness sees a resume's writes); an older checkpoint resumes, on sdpa."""
+    """Positive control of the refusals (the harness sees a resume's writes); an older checkpoint resumes, on sdpa,
+    with another eval_interval: its history keeps the step resumed from, which it does not evaluate again."""
     cfg, out = run_dir
     ckpt, new = load_checkpoint(path := out / CKPT_NAME), ("pos_emb", "qk_norm", "attn_window", "doc_sep")
     torch.save({**ckpt, "model_config": {k: v for k, v in ckpt["model_config"].items() if k not in new}}, path)
     before = snapshot(out)
-    assert train.main(cli_args(cfg.replace(attn_backend="sdpa"))) == 0, capsys.readouterr().err
+    assert train.main(cli_args(cfg.replace(attn_backend="sdpa", eval_interval=3))) == 0, capsys.readouterr().err
     assert snapshot(out) != before and load_checkpoint(out / CKPT_NAME)["step"] == 6
+    assert [h["step"] for h in json.loads((out / "summary.json").read_text())["history"]] == [0, 2, 4, 6]
 
 
 def test_a_checkpoint_saved_at_a_stop_after_the_summary_was_written_resumes(run_dir, capsys):

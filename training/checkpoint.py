@@ -222,7 +222,7 @@ def finished_at(summary: Path, ckpt: dict[str, Any]) -> int | None:
 
 def restore(ckpt: dict[str, Any] | None, optimizers: list[torch.optim.Optimizer], batch_gen: torch.Generator,
             device: torch.device) -> tuple[int, float, list[dict]]:
-    """Restore optimizer and RNG states; returns (step, best val loss, evals before step)."""
+    """Restore optimizer and RNG states; returns (step, best val loss, evals up to step)."""
     if ckpt is None:
         return 0, math.inf, []
     for opt, state in zip(optimizers, ckpt["optimizers"], strict=True):
@@ -231,4 +231,4 @@ def restore(ckpt: dict[str, Any] | None, optimizers: list[torch.optim.Optimizer]
     batch_gen.set_state(ckpt["rng"]["batch"].cpu())
     if device.type == "cuda" and "cuda" in ckpt["rng"]:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), device)
-    return ckpt["step"], ckpt["best_val_loss"], [h for h in ckpt["history"] if h["step"] < ckpt["step"]]
+    return ckpt["step"], ckpt["best_val_loss"], [h for h in ckpt["history"] if h["step"] <= ckpt["step"]]
