@@ -92,8 +92,8 @@ def test_the_checkpoint_command_exits_1_on_a_leak_and_2_on_a_bad_length(tmp_path
     """`python tests/causality.py --ckpt PATH`: a line per check, exit 0; a leaky rule: its FAIL lines, exit 1."""
     model, path = C.leak_test_model("manual").float(), tmp_path / "ckpt.pt"
     saved(model, path)
-    assert C.main(["--ckpt", str(path)]) == 0
-    out = capsys.readouterr().out.splitlines()
+    rc, out = C.main(["--ckpt", str(path)]), capsys.readouterr().out.splitlines()
+    assert rc == 0, next((line for line in out if not line.startswith("ok ")), out)  # the FAIL line: what broke
     assert len(out) == len(C.checkpoint_checks(str(path))) > 0 and all(line.startswith("ok ") for line in out), out
     assert all(any(f"({backend})" in line for line in out) for backend in ("manual", "sdpa")), out
     for T in (1, 99):  # a query needs an earlier key; the model, its block
