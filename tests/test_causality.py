@@ -100,6 +100,11 @@ def test_the_checkpoint_command_exits_1_on_a_leak_and_2_on_a_bad_length(tmp_path
         assert C.main(["--ckpt", str(path), f"--T={T}"]) == 2
         assert capsys.readouterr().err == f"error: --T={T}: give a length from 2 to block_size=" \
             f"{model.config.block_size}\n"
+    saved(endless := C.leak_test_model("manual", **C.MODERN, attn_window=3), far := tmp_path / "endless.pt")
+    assert C.main(["--ckpt", str(far), "--T=10000"]) == 2  # past its block, but not for hours
+    assert capsys.readouterr().err == f"error: --T=10000: give a length from 2 to 2 x block_size=" \
+        f"{2 * endless.config.block_size}\n"
+    assert C.main(["--ckpt", str(far), f"--T={2 * endless.config.block_size}"]) == 0, capsys.readouterr()  # the end
     with pytest.raises(SystemExit, match="2"):
         C.main(["--T=5"])  # without --ckpt it would be ignored
     assert "--T sets the length of a checkpoint's checks: give --ckpt too" in capsys.readouterr().err
