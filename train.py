@@ -181,6 +181,10 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
              + (f" | {dist.world_size} processes" if dist.enabled else ""))
     if moved:
         log.line(f"note: {moved}")
+    changed = [f"{k} {kept[k]} -> {v}" for k, v in cfg.to_dict().items()
+               if k not in ("resume", "max_iters", "out_dir") and kept.get(k, v) != v]  # said, as config.json keeps one
+    if changed:
+        log.line(f"note: resumed with {', '.join(changed)}")
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     run = Run(cfg, dist, guard, log, tok, model, fwd, optimizers, scaler, batch_gen, splits, micro_steps, autocast,

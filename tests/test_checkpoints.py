@@ -256,6 +256,7 @@ def test_the_same_copy_resumes_when_nothing_is_wrong(run_dir, capsys):
     torch.save({**ckpt, "model_config": {k: v for k, v in ckpt["model_config"].items() if k not in new}}, path)
     before = snapshot(out)
     assert train.main(cli_args(cfg.replace(attn_backend="sdpa", eval_interval=3))) == 0, capsys.readouterr().err
+    assert "\nnote: resumed with attn_backend manual -> sdpa, eval_interval 2 -> 3\n" in capsys.readouterr().out
     assert snapshot(out) != before and load_checkpoint(out / CKPT_NAME)["step"] == 6
     assert [h["step"] for h in json.loads((out / "summary.json").read_text())["history"]] == [0, 2, 4, 6]
 
@@ -267,6 +268,7 @@ def test_a_checkpoint_saved_at_a_stop_after_the_summary_was_written_resumes(run_
     stopped_at(out, step=2)
     assert train.main(cli_args(cfg.replace(max_iters=4))) == 0, capsys.readouterr().err
     assert json.loads((out / "summary.json").read_text())["steps_this_run"] == 2
+    assert "note: resumed with" not in capsys.readouterr().out  # nothing changed but max_iters
 
 
 # --- atomic writes ---------------------------------------------------------------------------
