@@ -203,9 +203,9 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
     "architecture": (lambda cfg, out: cfg.replace(**ARCHITECTURE), [f"{k}: checkpoint " for k in ARCHITECTURE] + [
         "n_layer: checkpoint 2 vs config 1", "attn_window: checkpoint 0 vs config 4",  # a window: no weights
         "Drop --resume to start afresh, or give a new --out_dir"]),
-    "vocabulary": (lambda cfg, out: (out.parent / "other.txt").write_text(TEXT.replace("R", "Z") * 100) and  # beside
+    "vocabulary": (lambda cfg, out: (out.parent / "other.txt").write_text(TEXT.replace("R", "ZQ") * 100) and  # beside
                    cfg.replace(dataset=str(out.parent / "other.txt")),  # out_dir: the snapshot stays out_dir's
-                   ["another vocabulary", "differing: ['R', 'Z']", "drop --resume"]),
+                   ["another vocabulary", "differing: ['Q', 'R', 'Z']", "drop --resume"]),  # not "vocab_size: ..."
     "past_max_iters": (lambda cfg, out: cfg.replace(max_iters=3), ["is at step 4, past max_iters=3; give --max_iter"
                                                                    "s > 4"]),
     "finished": (lambda cfg, out: cfg.replace(max_iters=4), ["is at step 4 = max_iters: the run is finished",

@@ -183,15 +183,15 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
     except TypeError as e:  # a field this version lacks: a newer version's checkpoint
         raise ValueError(f"cannot resume: {path}'s model_config does not fit this version's GPTConfig ({e}). Drop "
                          "--resume to start afresh, or give a new --out_dir to keep the old run") from None
+    theirs = CharTokenizer.from_dict(ckpt["vocab"])
+    if theirs != tok:  # first: another dataset changes vocab_size too
+        raise ValueError("cannot resume: the checkpoint has another vocabulary (differing: "
+                         f"{sorted(set(theirs.chars) ^ set(tok.chars))[:10]}). Use its dataset, or drop --resume")
     diff = [f"{k}: checkpoint {have.get(k)!r} vs config {v!r}" for k, v in model_config.to_dict().items()
             if k not in ("dropout", "attn_backend") and have.get(k) != v]  # neither changes what eval computes
     if diff:
         raise ValueError(f"cannot resume: the architecture differs ({'; '.join(diff)}). Drop --resume to start "
                          "afresh, or give a new --out_dir to keep the old run")
-    theirs = CharTokenizer.from_dict(ckpt["vocab"])
-    if theirs != tok:
-        raise ValueError("cannot resume: the checkpoint has another vocabulary (differing: "
-                         f"{sorted(set(theirs.chars) ^ set(tok.chars))[:10]}). Use its dataset, or drop --resume")
     # the optimizers' state would not fit; the eval batches and the other ranks' streams follow the seed
     for name, theirs in (("optimizer", ckpt["config"].get("optimizer", "adamw")), ("seed", ckpt["config"].get("seed"))):
         if theirs not in (None, getattr(cfg, name)):
