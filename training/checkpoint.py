@@ -78,24 +78,21 @@ def free(folder: Path, claim: bool) -> bool | None:
     another run did first)."""
     if (folder / CKPT_NAME).exists() or not claim and (folder / "config.json").exists():
         return None
-    if not claim:
-        return not folder.exists()
-    new = make_folder(folder)
-    try:
-        (folder / "config.json").open("x").close()  # atomic; write_json replaces it
-        return new
-    except FileExistsError:
-        return None
+    new = not folder.exists()
+    if claim:
+        make_folder(folder)
+        try:
+            (folder / "config.json").open("x").close()  # atomic; write_json replaces it
+        except FileExistsError:
+            return None
+    return new
 
 
-def make_folder(out: Path) -> bool:
-    """mkdir -p out; whether this made it. A path that cannot be a folder is refused."""
+def make_folder(out: Path) -> None:
+    """mkdir -p out, refusing a path that cannot be a folder."""
     try:
-        out.mkdir(parents=True)
-        return True
+        out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        if isinstance(e, FileExistsError) and out.is_dir():
-            return False
         raise ValueError(f"out_dir={out}: cannot create it as a directory ({e.strerror}); give another "
                          "--out_dir") from None
 
