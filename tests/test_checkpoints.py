@@ -353,6 +353,14 @@ def test_runs_started_at_once_never_share_a_folder_and_a_failed_one_gives_its_fo
     assert os.listdir(empty) == [] and not (tmp_path / "new").exists()
 
 
+def test_a_checkpoint_this_user_may_not_read_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Permission denied (as root the suite cannot be denied: the archive's open is made to fail)."""
+    save_checkpoint(path := tmp_path / CKPT_NAME, {"step": 1})
+    monkeypatch.setattr(zipfile, "ZipFile", lambda *_: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.raises(ValueError, match=f"^cannot read checkpoint {path}: Permission denied$"):
+        load_checkpoint(path)
+
+
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
 def test_a_new_file_gets_the_permissions_of_the_umask_not_0600(tmp_path, umask, mode):
     previous = os.umask(umask)

@@ -129,8 +129,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError) as e:
+    except zipfile.BadZipFile as e:
         raise ValueError(f"{path} is not a checkpoint: not a complete PyTorch archive ({e})") from None
+    except OSError as e:  # e.g. another user's, unreadable
+        raise ValueError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     if bad is not None:
         raise ValueError(f"{path} is corrupt: record {bad!r} fails its CRC-32 check; use another checkpoint")
     try:
