@@ -228,6 +228,8 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
     "flipped_byte": (lambda cfg, out: flip_a_weight_byte(out / CKPT_NAME) or cfg, ["fails its CRC-32 check"]),
     "not_ours": (lambda cfg, out: torch.save({"model": {}, "step": 4}, out / CKPT_NAME) or cfg,
                  ["is not a checkpoint written by this project"]),
+    "not_a_dict": (lambda cfg, out: torch.save(["a", "list"], out / CKPT_NAME) or cfg,
+                   ["is not a checkpoint written by this project"]),
     "pickled_object": (lambda cfg, out: torch.save({**load_checkpoint(out / CKPT_NAME), "vocab": WritesMarker(
         out.parent / "code_ran")}, out / CKPT_NAME) or cfg,
         ["holds pickled objects other than tensors and plain data; refused (they could run code): io.open\n"]),

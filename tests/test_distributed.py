@@ -122,6 +122,9 @@ def test_torchrun_refuses_a_cuda_index_mps_or_more_ranks_than_gpus_before_a_proc
     with pytest.raises(ValueError, match=message):
         init_distributed(TORCHRUN, device)
     assert not torch.distributed.is_initialized()
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kwargs: None)  # rank 3 of 4, on node 2
+    assert init_distributed({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, "cpu") == Dist(
+        rank=3, world_size=4, device=torch.device("cpu"), enabled=True)
 
 
 def agree(rank: int, store: str, out) -> None:

@@ -175,6 +175,7 @@ def test_sigterm_inside_an_evaluation_ends_the_run_at_once_saving_the_last_compl
     assert f"exact val loss over all {len(val) - 1:,} val targets: {final:.4f} (" in capsys.readouterr().out
     (guard := RunGuard(out / CKPT_NAME, distributed=True, announce=False)).signum = signal.SIGTERM
     assert not guard.stopping()  # under torchrun an evaluation runs on: the other ranks wait in it
+    assert guard.kept(0) == f"{out / CKPT_NAME} (step 0) is untouched"  # a checkpoint of step 0 is one too
 
 
 @pytest.mark.parametrize("second", ["inside_the_step", "inside_the_final_save"])
