@@ -32,8 +32,8 @@ class SampleConfig:
 
     out_dir: str | None = opt(None, "run dir holding ckpt.pt; None = newest under out/", rule="non-empty")
     ckpt: str | None = opt(None, "checkpoint file instead of OUT_DIR/ckpt.pt", rule="non-empty")
-    prompt: str | None = opt(None, "text to continue; None = a newline, or a new document for a model trained on "
-                                   "documents (each sample then ends where its document does)")
+    prompt: str | None = opt(None, "text to continue; None = a newline. A model trained on documents starts a new "
+                                   "one with it, and each sample ends where its document does")
     prompt_file: str | None = opt(None, "UTF-8 file holding the prompt", rule="non-empty")
     max_new_tokens: int = opt(500, "characters per sample", rule=">= 0")
     temperature: float = opt(0.8, "0 = greedy; < 1 sharper, > 1 more random")
@@ -76,8 +76,9 @@ def load(args: SampleConfig) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
         print(f"[sampling from {path}, the newest under out/]", file=sys.stderr)
     device = resolve_device(args.device)
     model, tok = model_from_checkpoint(load_checkpoint(path, map_location=device), device, dropout=0.0)
-    if prompt is None:  # a model of documents starts one: the separator opens it
-        prompt = SEPARATOR if SEPARATOR in tok.stoi else "\n"
+    if SEPARATOR in tok.stoi and not (prompt or "").startswith(SEPARATOR):  # a model of documents: the sample opens
+        prompt = SEPARATOR + (prompt or "")  # a document (the separator opens it), starting with the prompt
+    prompt = "\n" if prompt is None else prompt
     return model.eval(), tok, prompt, tok.encode(prompt), path
 
 
@@ -114,7 +115,7 @@ def sample(args: SampleConfig) -> None:
         tokens = model.stream(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                               top_p=args.top_p, generator=gen, use_cache=not args.no_cache, slide=args.slide)
         first = next(tokens, None)  # options are checked here, before any text
-        print((between if i else "") + prompt.replace(SEPARATOR, ""), end="")
+        print((between if i else "") + prompt.removeprefix(SEPARATOR).replace(SEPARATOR, "\n"), end="")
         for token in itertools.chain([] if first is None else [first], tokens):
             n += 1
             if int(token) == sep:  # the document ends

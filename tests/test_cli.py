@@ -416,6 +416,11 @@ def test_a_model_of_lines_samples_whole_documents_each_ending_at_the_separator(t
     assert all(0 < len(name) < 20 and name.isalpha() for name in lines[:3]), out
     doc_sep = lambda cfg: torch.load(Path(cfg.out_dir) / CKPT_NAME, weights_only=True)["model_config"]["doc_sep"]
     assert doc_sep(cfg) == load_corpus(str(names), documents="lines").tokenizer.stoi["\x1e"]  # doc_mask: masked apart
+    code, out, _ = run(capsys, sample, f"--out_dir={cfg.out_dir}", "--prompt=bob\x1ean", "--num_samples=2")
+    lines = out.split("\n")  # a prompt opens a document; one it holds ends a line
+    assert code == 0 and lines[0::2] == ["bob", "bob", ""] and all(s.startswith("an") for s in lines[1::2]), out
+    assert sample.load(sample.parse_args([f"--out_dir={cfg.out_dir}", "--prompt=an"], sample.SampleConfig))[2] == \
+        "\x1ean"
     (verses := tmp_path / "verses.txt").write_text("roses are red,\nviolets are blue\n\n" * 100)
     cfg = tiny_config(tmp_path, dataset=str(verses), documents="paragraphs", out_dir=str(tmp_path / "verses"),
                       max_iters=1, eval_interval=1, eval_iters=1, tensorboard=False, exact_val=False)
