@@ -340,13 +340,13 @@ def test_runs_started_at_once_never_share_a_folder_and_a_failed_one_gives_its_fo
     monkeypatch.setattr(train, "load_corpus", lambda *a: other.append(run_folder(cfg, claim=True)) or load(*a))
     assert train.train(cfg, verbose=False)["steps"] == 2 and (tmp_path / "out" / CKPT_NAME).exists()
     assert other == [(tmp_path / "out-2", f"{tmp_path / 'out'} holds another run: this one writes to "
-                      f"{tmp_path / 'out-2'} (--resume continues that run, --overwrite replaces it)", True)]
+                      f"{tmp_path / 'out-2'} (--overwrite replaces it)", True)]  # no checkpoint to --resume yet
     assert os.listdir(tmp_path / "out-2") == ["config.json"]  # claimed: the next run goes to out-3
     assert run_folder(cfg)[0] == tmp_path / "out-3"
     (empty := tmp_path / "mine").mkdir()
     assert run_folder(cfg.replace(out_dir=str(empty)), claim=True) == (empty, None, False)
     assert run_folder(cfg.replace(out_dir=str(empty)), claim=True)[:2] == (tmp_path / "mine-2", f"{empty} holds "
-        f"another run: this one writes to {tmp_path / 'mine-2'} (--resume continues that run, --overwrite replaces it)")
+        f"another run: this one writes to {tmp_path / 'mine-2'} (--overwrite replaces it)")
     (empty / "config.json").unlink()
     monkeypatch.setattr(train, "train_step", lambda run, step: [][step])  # a bug, after step 0's eval was logged
     for folder in (empty, tmp_path / "new"):  # with --overwrite too
