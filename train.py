@@ -182,7 +182,7 @@ def set_up(cfg: TrainConfig, dist: Dist, guard: RunGuard, argv: list[str], verbo
     if moved:
         log.line(f"note: {moved}")
     changed = [f"{k} {kept[k]} -> {v}" for k, v in cfg.to_dict().items()
-               if k not in ("resume", "max_iters", "out_dir") and kept.get(k, v) != v]  # said, as config.json keeps one
+               if k not in ("resume", "max_iters", "out_dir") and kept.get(k, v) != v]  # config.json keeps only the new
     if changed:
         log.line(f"note: resumed with {', '.join(changed)}")
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

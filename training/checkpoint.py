@@ -68,7 +68,7 @@ def run_folder(cfg: Any, claim: bool = False) -> tuple[Path, str | None, bool | 
         if (new := free(out.parent / name, claim)) is not None:
             break
     folder = out.parent / name
-    resume = "--resume continues that run, " if (out / CKPT_NAME).exists() else ""  # one saved yet, that is
+    resume = "--resume continues that run, " if (out / CKPT_NAME).exists() else ""  # only a saved run resumes
     return folder, None if folder == out else (f"{out} holds another run" + (f" (of {theirs})" if theirs else "") +
                                                f": this one writes to {folder} ({resume}--overwrite replaces it)"), new
 
