@@ -39,6 +39,7 @@ from reference import document_ids, reach, rule_grid, rule_name  # noqa: E402
 from training import exact_loss, load_checkpoint, model_from_checkpoint  # noqa: E402
 
 WINDOWS = (0, 3)  # the rule without and with a window shorter than every test sequence
+LONG = 300  # the mask's length past every recipe's block_size (256)
 T_ATTENTION = 8
 
 
@@ -185,9 +186,11 @@ def _change_at(x: Tensor, j: int, V: int, seed: int) -> Tensor:
 
 def check_mask(window: int = 0, T: int = 6) -> Check:
     """causal_mask(Tq, Tk) is the declared rule's grid for every Tq <= Tk <= T (queries aligned with the last keys, as
-    a cache decodes at every position). On failure the detail draws the mask next to the rule."""
+    a cache decodes at every position), and at LONG (past the recipes' block_size, where a rule may change far back).
+    On failure the detail draws the mask next to the rule."""
+    sizes = [(LONG, LONG), *((Tq, Tk) for Tk in range(T, 0, -1) for Tq in range(Tk, 0, -1))]
     checks = [judge("mask: causal_mask", attn_lib.causal_mask(Tq, Tk, window=window).cpu().double(),
-                    rule_grid(Tq, Tk, window), rule_name(window)) for Tk in range(T, 0, -1) for Tq in range(Tk, 0, -1)]
+                    rule_grid(Tq, Tk, window), rule_name(window)) for Tq, Tk in sizes]
     check = next((c for c in checks if not c.ok), checks[0])
     if not check.ok:
         check.detail += "\n" + mask_picture(window, T) + "\n(model/attention.py:visible)"
@@ -346,21 +349,22 @@ def check_prefix_parity(model: GPT, x: Tensor, tol: float = 1e-9) -> Check:
 
 
 def check_dropout_causality(backend: str = "manual", seed: int = 3, attn_window: int = 0, **options) -> Check:
-    """Train mode, dropout 0.3, the same RNG state for every forward: a new token at j moves no logit the rule
-    does not let reach j (dropout may zero a path, never open one). options: GPTConfig options."""
+    """Train mode with targets (the training forward), dropout 0.3, the same RNG state for every forward: a new token
+    at j moves no logit the rule does not let reach j (dropout may zero a path, never open one). options: GPTConfig
+    options."""
     model = leak_test_model(backend, dropout=0.3, attn_window=attn_window, **options).train()
     x = test_tokens(model, 3, seed)[:, :model.config.block_size]
     variants = torch.stack([_change_at(x, j, model.config.vocab_size, seed + j) for j in range(x.size(1))])
 
     def run(tokens: Tensor, draw: int = seed) -> Tensor:
         torch.manual_seed(draw)
-        return model(tokens)[0]
+        return model(tokens, tokens)[0]  # any targets: the path train.py takes
 
     with torch.no_grad():
         base = run(x)
         change = torch.stack([(run(v) - base).abs().amax(dim=2) for v in variants], dim=-1)  # [b, i, j]
         other = run(x, seed + 100)  # and dropout is really on: another draw changes the output
-    return _also(judge_rows("model: dropout", change, perturbed_reach(model, x, variants), model_rule(model),
+    return _also(judge_rows("model: training", change, perturbed_reach(model, x, variants), model_rule(model),
                             exact=False), _max(other - base) > 0, "dropout does not act in train mode")
 
 
@@ -560,7 +564,7 @@ def iter_checks() -> Iterator[Check]:
         for backend in ("manual", "sdpa"):
             m = leak_test_model(backend, **options)
             yield from model_checks(m, test_tokens(m))
-    yield from (run_check(f"model: dropout ({backend}, {rule_name(window)})", check_dropout_causality, backend, 3,
+    yield from (run_check(f"model: training ({backend}, {rule_name(window)})", check_dropout_causality, backend, 3,
                           window) for backend in ("manual", "sdpa") for window in WINDOWS)
 
 

@@ -92,8 +92,9 @@ def test_the_checkpoint_command_exits_1_on_a_leak_and_2_on_a_bad_length(tmp_path
     """`python tests/causality.py --ckpt PATH`: a line per check, exit 0; a leaky rule: its FAIL lines, exit 1."""
     model, path = C.leak_test_model("manual").float(), tmp_path / "ckpt.pt"
     saved(model, path)
+    fail = lambda out: next((line for line in out if not line.startswith("ok ")), out)  # the FAIL line: what broke
     rc, out = C.main(["--ckpt", str(path)]), capsys.readouterr().out.splitlines()
-    assert rc == 0, next((line for line in out if not line.startswith("ok ")), out)  # the FAIL line: what broke
+    assert rc == 0, fail(out)
     assert len(out) == len(C.checkpoint_checks(str(path))) > 0 and all(line.startswith("ok ") for line in out), out
     assert all(any(f"({backend})" in line for line in out) for backend in ("manual", "sdpa")), out
     for T in (1, 99):  # a query needs an earlier key; the model, its block
@@ -104,7 +105,8 @@ def test_the_checkpoint_command_exits_1_on_a_leak_and_2_on_a_bad_length(tmp_path
     assert C.main(["--ckpt", str(far), "--T=10000"]) == 2  # past its block, but not for hours
     assert capsys.readouterr().err == f"error: --T=10000: give a length from 2 to 2 x block_size=" \
         f"{2 * endless.config.block_size}\n"
-    assert C.main(["--ckpt", str(far), f"--T={2 * endless.config.block_size}"]) == 0, capsys.readouterr()  # the end
+    rc = C.main(["--ckpt", str(far), f"--T={2 * endless.config.block_size}"])  # the end of the range
+    assert rc == 0, fail(capsys.readouterr().out.splitlines())
     with pytest.raises(SystemExit, match="2"):
         C.main(["--T=5"])  # without --ckpt it would be ignored
     assert "--T sets the length of a checkpoint's checks: give --ckpt too" in capsys.readouterr().err
