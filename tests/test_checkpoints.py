@@ -308,8 +308,8 @@ def test_a_run_never_writes_into_another_runs_folder_unless_told_to_and_tidies_k
     (other := tmp_path / "mytext.txt").write_text("Another corpus, of other characters. " * 40)
     assert train.main(cli_args(cfg.replace(dataset=str(other)))) == 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert f"writes to {tmp_path / 'out-mytext'} (--resume continues that run, --overwrite replaces it)\n" in \
-        capsys.readouterr().out
+    assert f"{out} holds another run (of {cfg.dataset}): this one writes to {tmp_path / 'out-mytext'} (--resume " \
+        "continues that run, --overwrite replaces it)\n" in capsys.readouterr().out
     assert load_checkpoint(tmp_path / "out-mytext" / CKPT_NAME)["config"]["dataset"] == str(other)
     assert train.train(cfg, verbose=False) and (tmp_path / "out-2" / CKPT_NAME).exists()
     assert run_folder(cfg)[0] == tmp_path / "out-3"  # out-2 is taken now too

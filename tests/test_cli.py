@@ -401,6 +401,7 @@ def test_every_cpu_config_trains_with_a_window_and_samples_past_block_size_from_
     code, text, _ = run(capsys, sample, f"--out_dir={out}", "--prompt=ROMEO:", "--max_new_tokens=150")
     documents = parse_args([str(config)]).documents  # a document may end sooner
     assert code == 0 and (len(text) == len("ROMEO:") + 150 + 1 or documents and text.startswith("ROMEO:"))
+    assert sample.SampleConfig().slide == 1  # past block_size: the README's default, nanoGPT's crop every token
 
 
 def test_a_model_of_lines_samples_whole_documents_each_ending_at_the_separator(tmp_path, capsys):
@@ -410,17 +411,18 @@ def test_a_model_of_lines_samples_whole_documents_each_ending_at_the_separator(t
     cfg = tiny_config(tmp_path, dataset=str(names), documents="lines", doc_mask=True, max_iters=80, lr_decay_iters=80,
                       eval_interval=80, tensorboard=False, exact_val=False)
     train.train(cfg, verbose=False)
-    code, out, _ = run(capsys, sample, f"--out_dir={cfg.out_dir}", "--num_samples=3", "--max_new_tokens=200")
+    code, out, err = run(capsys, sample, f"--out_dir={cfg.out_dir}", "--num_samples=3", "--max_new_tokens=200")
     lines = out.split("\n")
     assert code == 0 and len(lines) == 4 and lines[-1] == "" and "\x1e" not in out, out
+    assert f"[{sum(map(len, lines)) + 3} tokens in " in err  # each name's separator was drawn too
     assert all(0 < len(name) < 20 and name.isalpha() for name in lines[:3]), out
     doc_sep = lambda cfg: torch.load(Path(cfg.out_dir) / CKPT_NAME, weights_only=True)["model_config"]["doc_sep"]
     assert doc_sep(cfg) == load_corpus(str(names), documents="lines").tokenizer.stoi["\x1e"]  # doc_mask: masked apart
-    code, out, _ = run(capsys, sample, f"--out_dir={cfg.out_dir}", "--prompt=bob\x1ean", "--num_samples=2")
-    lines = out.split("\n")  # a prompt opens a document; one it holds ends a line
+    code, out, _ = run(capsys, sample, f"--out_dir={cfg.out_dir}", "--prompt=\x1ebob\x1ean", "--num_samples=2")
+    lines = out.split("\n")  # a prompt that opens a document is left so; one it holds ends a line
     assert code == 0 and lines[0::2] == ["bob", "bob", ""] and all(s.startswith("an") for s in lines[1::2]), out
     assert sample.load(sample.parse_args([f"--out_dir={cfg.out_dir}", "--prompt=an"], sample.SampleConfig))[2] == \
-        "\x1ean"
+        "\x1ean"  # a prompt opens a document
     (verses := tmp_path / "verses.txt").write_text("roses are red,\nviolets are blue\n\n" * 100)
     cfg = tiny_config(tmp_path, dataset=str(verses), documents="paragraphs", out_dir=str(tmp_path / "verses"),
                       max_iters=1, eval_interval=1, eval_iters=1, tensorboard=False, exact_val=False)
