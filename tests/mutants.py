@@ -90,6 +90,8 @@ rule_window_one_narrower = rule(lambda q, k, window: (k <= q) & (k > q - window 
 # nanochat's bug: one query (decoding), no window; and a prefill after a cache, no window
 rule_without_window_when_decoding = rule(lambda q, k, window: shipped(q, k, window if q.numel() > 1 else 0))
 rule_without_window_for_chunks = rule(lambda q, k, window: shipped(q, k, 0 if 1 < q.numel() < k.numel() else window))
+# a default window far back, past every short test sequence ("no window" should read everything)
+rule_with_a_default_window = rule(lambda q, k, window: shipped(q, k, window or 64))
 
 
 # --- broken attention functions (each is the real one with one step done wrong) --------------------
@@ -116,6 +118,11 @@ attention_fill_minus_1e9 = attention_weighing_by(lambda s, a: torch.softmax(s.ma
 # -1e4, "small enough": until an allowed score is smaller still
 attention_fill_minus_1e4 = attention_weighing_by(lambda s, a: torch.softmax(
     s.masked_fill(~a, -1e4), -1, dtype=torch.promote_types(s.dtype, torch.float32)).to(s.dtype))
+
+
+def attention_unmasked_in_training(q, k, v, mask=None, dropout_p=0.0):
+    """The real attention, but its training branch (dropout on) forgets the mask."""
+    return REAL["attention"](q, k, v, None if dropout_p > 0 else mask, dropout_p)
 
 
 def sdpa_ignores_the_mask(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
@@ -199,11 +206,13 @@ MUTANTS = [
     Mutant("window one key narrower", "visible", rule_window_one_narrower, NARROW_OR_WIDE),
     Mutant("decoding ignores the window", "visible", rule_without_window_when_decoding, NARROW_OR_WIDE),
     Mutant("chunked prefill ignores the window", "visible", rule_without_window_for_chunks, NARROW_OR_WIDE),
+    Mutant("a window of 64 when none is set", "visible", rule_with_a_default_window, NARROW_OR_WIDE),
     Mutant("mask applied after softmax, not renormalised", "attention", attention_mask_after_softmax),
     Mutant("future scores multiplied by 0 instead of masked", "attention", attention_scores_times_zero),
     Mutant("softmax over the query axis", "attention", attention_softmax_over_queries),
     Mutant("-1e9 fill (overflows float16)", "attention", attention_fill_minus_1e9),
     Mutant("-1e4 fill instead of -inf (float32)", "attention", attention_fill_minus_1e4),
+    Mutant("no mask in training (dropout on)", "attention", attention_unmasked_in_training, LEAK),
     Mutant("sdpa without the mask", "sdpa", sdpa_ignores_the_mask, LEAK),
     Mutant("sdpa is_causal instead of the mask: the window lost", "sdpa", sdpa_is_causal_for_square_masks,
            NARROW_OR_WIDE),
