@@ -15,7 +15,7 @@ import pytest
 
 import causality as C
 from model import GPT, GPTConfig
-from mutants import substitute
+from mutants import rule_window_one_wider, substitute
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
@@ -110,6 +110,9 @@ def test_the_checkpoint_command_exits_1_on_a_leak_and_2_on_a_bad_length(tmp_path
     with pytest.raises(SystemExit, match="2"):
         C.main(["--T=5"])  # without --ckpt it would be ignored
     assert "--T sets the length of a checkpoint's checks: give --ckpt too" in capsys.readouterr().err
+    substitute(monkeypatch, "visible", rule_window_one_wider)  # no leak: the window's edge, seen at the default T
+    assert C.main(["--ckpt", str(far)]) == 1 and "no leak, but not attn_window=3" in capsys.readouterr().out
+    monkeypatch.undo()
     substitute(monkeypatch, "visible", lambda q, k, *a, **kw: k <= q + 1)  # every query reads one key ahead
     assert C.main(["--ckpt", str(path)]) == 1
     out = capsys.readouterr().out

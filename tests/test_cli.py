@@ -183,7 +183,9 @@ def test_the_mask_command_and_its_complement_collect_what_they_say():
     collect = lambda expr: subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", expr,
                                            "--collect-only", "-q", "tests"], cwd=ROOT, capture_output=True,
                                           text=True, timeout=120).stdout
-    assert re.search(r"tests/test_cli.py: \d+", collect("not mask")) and "test_cli" not in collect("mask")
+    mask = collect("mask")  # and the meta-tests, the proof that the checks bite, are in it
+    assert re.search(r"tests/test_cli.py: \d+", collect("not mask")) and "test_cli" not in mask
+    assert all(re.search(rf"tests/test_{name}.py: \d+", mask) for name in ("mutants", "causality", "attention")), mask
 
 
 def test_the_readmes_window_written_into_the_rule_passes_the_mask_command_once_declared(tmp_path):

@@ -121,5 +121,8 @@ def test_a_rule_changed_on_purpose_passes_once_declared_and_a_leak_fails_even_th
         return C.require(*checks)  # the mask command's lines for what fails
     failed = [str(c) for c in checks if not c.ok]
     assert failed and says in failed[0], "\n".join(failed[:3]) or "every check passed"
+    with pytest.raises(pytest.fail.Exception) as report:  # a test's lines: leaks first, whatever the checks' order
+        C.require(*reversed(checks))
+    assert ("— LEAK" in str(report.value).splitlines()[0]) == (says == "LEAK"), str(report.value)[:300]
     leaks = [line.split(" — ")[0] for line in failed if "— LEAK" in line]  # the mask and one forward too, declared
     assert (says == "LEAK") == any("mask:" in c for c in leaks) == any("perturbation, forward" in c for c in leaks)
