@@ -29,7 +29,8 @@ REAL = {"visible": attn_lib.visible, "attention": attn_lib.attention, "get_batch
         "inputs_and_targets": data.inputs_and_targets, "exact_loss": training.evaluate.exact_loss,
         "KVCache.positions": attn_lib.KVCache.positions, "GPT.new_cache": model.gpt.GPT.new_cache,
         "documents": attn_lib.documents, "KVCache.documents": attn_lib.KVCache.documents,
-        "KVCache.last_document": attn_lib.KVCache.last_document, "join_documents": data.text.join_documents}
+        "KVCache.last_document": attn_lib.KVCache.last_document, "join_documents": data.text.join_documents,
+        "KVCache.append": attn_lib.KVCache.append, "GPT.forward": model.gpt.GPT.forward}
 _REAL_SDPA = F.scaled_dot_product_attention
 LEAK, NARROW_OR_WIDE = "LEAK", "no leak, but not"  # what the first failing check must say
 
@@ -125,6 +126,11 @@ def attention_unmasked_in_training(q, k, v, mask=None, dropout_p=0.0):
     return REAL["attention"](q, k, v, None if dropout_p > 0 else mask, dropout_p)
 
 
+def attention_unscaled_in_bfloat16(q, k, v, mask=None, dropout_p=0.0):
+    """The real attention, but a bfloat16 branch that forgets the 1/√D scale."""
+    return REAL["attention"](q * math.sqrt(q.size(-1)) if q.dtype == torch.bfloat16 else q, k, v, mask, dropout_p)
+
+
 def sdpa_ignores_the_mask(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
     return _REAL_SDPA(q, k, v, attn_mask=None, dropout_p=dropout_p, is_causal=False, **kw)
 
@@ -143,6 +149,17 @@ def cache_of(extra: int) -> Callable:
         size = c.attn_window + extra if c.attn_window else c.block_size
         return attn_lib.KVCache(c.n_layer, B, c.n_head, size, c.n_embd // c.n_head, w.device, w.dtype)
     return new_cache
+
+
+def append_in_float32(self, layer, k, v):
+    """The cache's keys and values rounded through float32, whatever the model's dtype."""
+    return REAL["KVCache.append"](self, layer, k.float().to(k.dtype), v.float().to(v.dtype))
+
+
+def loss_without_the_last_target(self, idx, targets=None, cache=None, start=0):
+    """The training loss over every target but each row's last."""
+    logits, loss = REAL["GPT.forward"](self, idx, targets, cache, start)
+    return logits, loss if targets is None else F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, :-1].flatten())
 
 
 def positions_by_slot(self, T):
@@ -213,12 +230,15 @@ MUTANTS = [
     Mutant("-1e9 fill (overflows float16)", "attention", attention_fill_minus_1e9),
     Mutant("-1e4 fill instead of -inf (float32)", "attention", attention_fill_minus_1e4),
     Mutant("no mask in training (dropout on)", "attention", attention_unmasked_in_training, LEAK),
+    Mutant("no 1/sqrt(D) scale in bfloat16", "attention", attention_unscaled_in_bfloat16),
     Mutant("sdpa without the mask", "sdpa", sdpa_ignores_the_mask, LEAK),
     Mutant("sdpa is_causal instead of the mask: the window lost", "sdpa", sdpa_is_causal_for_square_masks,
            NARROW_OR_WIDE),
     Mutant("rolling cache evicts one key too few", "GPT.new_cache", cache_of(+1)),
     Mutant("rolling cache evicts one key too many", "GPT.new_cache", cache_of(-1)),
     Mutant("rotary positions drift to the rolling cache's slots", "KVCache.positions", positions_by_slot),
+    Mutant("the cache rounds keys and values to float32", "KVCache.append", append_in_float32),
+    Mutant("the loss drops each row's last target", "GPT.forward", loss_without_the_last_target),
     Mutant("the exact val pass ignores the window", "exact_loss", exact_loss_without_window),
     Mutant("the separator counted in the previous document", "documents", separator_in_the_previous_document,
            NARROW_OR_WIDE),
