@@ -67,7 +67,9 @@ def test_cached_and_uncached_generation_agree_when_the_window_slides(options, sl
     in between; an endless model (window 10, two layers) never slides: it reads 19 tokens back, the prompt's last 19."""
     for backend in ("manual", "sdpa"):
         model = C.leak_test_model(backend, **options)
-        C.require(C.check_cache_parity(model, C.random_tokens(3, 15, model.config.vocab_size), 40, slide=slide))
+        tag = ", ".join([backend, *(f"{k}={v}" for k, v in options.items()), f"slide={slide}"])  # which failed
+        prompt = C.random_tokens(3, 15, model.config.vocab_size)
+        C.require(C.run_check(f"model: KV-cache parity ({tag})", C.check_cache_parity, model, prompt, 40, 4, slide))
 
 
 def saved(model: GPT, path: Path) -> Path:
