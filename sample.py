@@ -76,9 +76,10 @@ def load(args: SampleConfig) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
         print(f"[sampling from {path}, the newest under out/]", file=sys.stderr)
     device = resolve_device(args.device)
     model, tok = model_from_checkpoint(load_checkpoint(path, map_location=device), device, dropout=0.0)
-    if SEPARATOR in tok.stoi and not (prompt or "").startswith(SEPARATOR):  # a model of documents: the sample opens
-        prompt = SEPARATOR + (prompt or "")  # a document (the separator opens it), starting with the prompt
-    prompt = "\n" if prompt is None else prompt
+    if SEPARATOR in tok.stoi:  # a model of documents: the sample opens a document (the separator), the prompt its start
+        prompt = SEPARATOR + (prompt or "").removeprefix(SEPARATOR)
+    elif prompt is None:
+        prompt = "\n"
     return model.eval(), tok, prompt, tok.encode(prompt), path
 
 
