@@ -188,7 +188,7 @@ def check_mask(window: int = 0, T: int = 6) -> Check:
     """causal_mask(Tq, Tk) is the declared rule's grid for every Tq <= Tk <= T (queries aligned with the last keys, as
     a cache decodes at every position), and at LONG (past the recipes' block_size, where a rule may change far back).
     On failure the detail draws the mask next to the rule."""
-    sizes = [(LONG, LONG), *((Tq, Tk) for Tk in range(T, 0, -1) for Tq in range(Tk, 0, -1))]
+    sizes = [*((Tq, Tk) for Tk in range(T, 0, -1) for Tq in range(Tk, 0, -1)), (LONG, LONG)]  # the drawn ones first
     checks = [judge("mask: causal_mask", attn_lib.causal_mask(Tq, Tk, window=window).cpu().double(),
                     rule_grid(Tq, Tk, window), rule_name(window)) for Tq, Tk in sizes]
     check = next((c for c in checks if not c.ok), checks[0])
