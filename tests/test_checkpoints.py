@@ -349,9 +349,9 @@ def test_runs_started_at_once_never_share_a_folder_and_a_failed_one_gives_its_fo
         f"another run: this one writes to {tmp_path / 'mine-2'} (--overwrite replaces it)")
     (empty / "config.json").unlink()
     monkeypatch.setattr(train, "train_step", lambda run, step: [][step])  # a bug, after step 0's eval was logged
-    for folder in (empty, tmp_path / "new"):  # with --overwrite too
+    for folder, overwrite in ((empty, False), (empty, True), (tmp_path / "new", True)):
         with pytest.raises(IndexError):
-            train.train(cfg.replace(out_dir=str(folder), overwrite=folder != empty))  # verbose: curves too
+            train.train(cfg.replace(out_dir=str(folder), overwrite=overwrite))  # verbose: curves too
     assert os.listdir(empty) == [] and not (tmp_path / "new").exists()
 
 

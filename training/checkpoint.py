@@ -57,7 +57,7 @@ def run_folder(cfg: Any, claim: bool = False) -> tuple[Path, str | None, bool | 
     at once never share a folder. Last: True if the folder is new, False if an empty one, None if a run's."""
     out = Path(cfg.out_dir)
     if cfg.resume or cfg.overwrite:
-        return out, None, not out.exists() or None
+        return out, None, free(out, claim=False)
     try:
         theirs = json.loads((out / "config.json").read_text())["config"]["dataset"]
     except (OSError, ValueError, KeyError, TypeError):
