@@ -430,7 +430,9 @@ def with_recipe(argv: list[str]) -> tuple[list[str], str | None]:
     name, why = {"cuda": ("shakespeare_char_fast.toml", "the fast GPU recipe, for CUDA"),
                  "mps": ("shakespeare_char_cpu.toml", "nanoGPT's laptop recipe, for MPS")}.get(
         kind, ("shakespeare_char_cpu_fast.toml", "the fast CPU recipe: no CUDA GPU here"))
-    return [str(CONFIGS / name), *argv], f"no config given: training configs/{name}, {why} (pass a config to choose)"
+    on = ["--device=mps"] if kind == "mps" else []  # the laptop recipe names the CPU
+    return [str(CONFIGS / name), *on, *argv], \
+        f"no config given: training configs/{name}, {why} (pass a config to choose)"
 
 
 def out_of_memory(e: BaseException) -> str | None:

@@ -246,7 +246,8 @@ def test_without_a_config_the_cpu_recipe_trains_into_its_out_dir_and_says_so_fir
 def test_without_a_config_each_device_gets_its_recipe_and_device_cpu_the_cpu_one(monkeypatch, kind, recipe):
     monkeypatch.setattr(train, "resolve_device", lambda d: torch.device(kind if d == "auto" else d))
     argv, why = train.with_recipe(["--max_iters=3"])
-    assert argv == [str(ROOT / "configs" / recipe), "--max_iters=3"]
+    assert argv == [str(ROOT / "configs" / recipe), *["--device=mps"][:kind == "mps"], "--max_iters=3"]
+    assert parse_args(argv).device in ("auto", kind)  # not the laptop recipe's cpu on MPS
     assert why.startswith(f"no config given: training configs/{recipe}, ")
     assert train.with_recipe(["configs/debug.toml"]) == (["configs/debug.toml"], None)
     for device in (["--device=cpu"], ["--device", "cpu"]):  # parse_args takes both forms
