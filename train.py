@@ -77,7 +77,8 @@ class Run:
 
 
 def train(cfg: TrainConfig, argv: list[str] | None = None, verbose: bool = True) -> dict:
-    """Run cfg, one rank under torchrun; returns summary.json's dict. verbose=False: no output."""
+    """Run cfg, one rank under torchrun; returns summary.json's dict. verbose=False: no output, so no summary.json or
+    TensorBoard events either (config.json and checkpoints are written)."""
     t_start = time.perf_counter()
     dist = init_distributed(os.environ, cfg.device)
     # never into another run's folder, unless asked; rank 0, the one that writes, claims it
@@ -285,7 +286,8 @@ def snapshot(run: Run, step: int) -> None:
 
 
 def train_step(run: Run, step: int) -> tuple[Tensor, Tensor | None]:
-    """One optimizer step over gradient_accumulation_steps micro-batches: (last micro-batch's loss, grad norm)."""
+    """One optimizer step over gradient_accumulation_steps micro-batches: (last micro-batch's loss (), grad norm ()
+    or None without a clip), on the device."""
     cfg, scaler, micro_steps = run.cfg, run.scaler, run.micro_steps
     for micro in range(micro_steps):
         x, y = get_batch(run.splits["train"], cfg.batch_size, cfg.block_size, run.batch_gen, run.dist.device)
@@ -335,7 +337,8 @@ def raise_if_bad(run: Run, first_bad: int, local: bool) -> None:
 
 
 def log_progress(run: Run, step: int, loss: Tensor, lr: float, grad_norm: Tensor | None, log: bool) -> None:
-    """After each step: the bar and the lr; at log steps (the only host reads) the progress line and scalars."""
+    """After each step: the bar and the lr; at log steps (the only host reads of loss and grad_norm, () tensors) the
+    progress line and scalars."""
     out = run.log
     run.steps += 1
     out.bar.update()
@@ -345,7 +348,7 @@ def log_progress(run: Run, step: int, loss: Tensor, lr: float, grad_norm: Tensor
         run.marks.append((run.steps, seconds))
         tok_s, mfu = out.speed(run.steps, seconds)
         text = (f"loss {loss_f:.4f} ({bpc(loss_f):.3f} bpc) | lr {lr:.2e} | "
-                f"{step_ms(run.marks[-2:])[-1]:.1f} ms/step | {tok_s:,.0f} tok/s")  # since the last log step
+                f"{step_ms(run.marks[-2:])[-1]:.1f} ms/step | {tok_s:,.0f} tok/s")  # ms: since the last log step
         if out.interactive:
             out.bar.set_postfix_str(text, refresh=False)
         else:

@@ -187,7 +187,8 @@ class CausalSelfAttention(nn.Module):
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float) -> Tensor:
-    """The sdpa backend with causal_mask's additive mask: (B, H, Tq, D) -> (B, H, Tq, D) in q's dtype.
+    """The sdpa backend with the additive mask the model builds from `visible`: q (B, H, Tq, D), k and v (B, H, Tk, D),
+    mask (Tq, Tk) or (B, 1, Tq, Tk) -> (B, H, Tq, D) in q's dtype.
     On a CPU, bf16 runs in float32: its bf16 backward is far slower (benchmarks/RESULTS.md)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         with torch.autocast("cpu", enabled=False):

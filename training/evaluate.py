@@ -52,7 +52,7 @@ def estimate_loss(model: nn.Module, splits: dict[str, Tensor], cfg: Any, device:
                     raise Stopped
                 group = [get_batch(data, cfg.batch_size, cfg.block_size, gen, device)
                          for _ in range(min(batches_per_forward, n - first))]
-                x, y = (torch.cat(t) for t in zip(*group, strict=True))  # (n * B, T)
+                x, y = (torch.cat(t) for t in zip(*group, strict=True))  # (len(group) * B, T)
                 with autocast or contextlib.nullcontext():
                     _, loss = model(x, y)
                 total += loss.float() * len(group)  # len(group) equal-sized batch means

@@ -47,7 +47,8 @@ class Layout:
 
 
 def layout_for(n_rows: int, n_cols: int, T: int) -> Layout:
-    """Geometry: ~450-512 px per tile, 2..14 px cells (8 up to T = 64: labelled)."""
+    """Geometry: 14 px cells up to T = 36 (a T x 14 px tile), then ~512 px tiles of 2..13 px cells; labelled while a
+    cell is >= 8 px (T <= 64)."""
     cell = max(2, min(14, 512 // T))
     return Layout(T=T, rows=n_rows, cols=n_cols, cell=cell, label=max(cell, 16) if cell >= 8 else 0)
 
