@@ -12,6 +12,7 @@ import torch
 
 from data import SEPARATOR, CharTokenizer, decode_utf8
 from model import GPT
+from model.gpt import check_sampling
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
 from training.config import check_fields, opt, parse_args, print_help
 from training.faults import exit_code
@@ -49,6 +50,7 @@ class SampleConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        check_sampling(self.temperature, self.top_k or None, self.top_p)  # --attention_png's too: none are ignored
 
 
 def load(args: SampleConfig) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
@@ -63,6 +65,8 @@ def load(args: SampleConfig) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
             raise ValueError(f"--prompt_file: cannot read {args.prompt_file}: {e.strerror or e}") from None
     if prompt == "":
         raise ValueError("the prompt is empty; give one character or more")
+    if args.ckpt and args.out_dir:
+        raise ValueError("give the checkpoint as --out_dir or --ckpt, not both")
     if args.ckpt:
         path = Path(args.ckpt)
     elif args.out_dir:

@@ -145,6 +145,8 @@ def test_sample_options_take_a_value_after_a_space_and_a_bare_flag_takes_none():
     ("{ckpt} --temperature=-1", "temperature must be a finite number >= 0, got -1.0"),
     ("{ckpt} --top_p=0", "top_p must be in (0, 1], got 0.0"), ("{ckpt} --num_samples=0", "--num_samples must be >= 1"),
     ("{ckpt} --prompt= --prompt_file=prompt.txt", "--prompt or --prompt_file, not both"),
+    ("{ckpt} --out_dir=out", "--out_dir or --ckpt, not both"),  # either, silently, would sample another run
+    ("--attention_png --prompt=R --top_p=7", "top_p must be in (0, 1], got 7.0"),  # checked before any model
     ("{ckpt} --prompt_file=no/such.txt", "--prompt_file: cannot read no/such.txt: No such file or directory"),
     ("{ckpt} --prompt=RZ", "characters not in the vocabulary: 'Z'"),  # R is in it, so only Z is named
     ("{ckpt} --prompt=", "the prompt is empty"), ("--out_dir={path}", "is a file: give it as --ckpt={path}"),
