@@ -129,6 +129,8 @@ def hf_text(spec: str, split: str, text_column: str) -> tuple[list[str], str]:
         ds = datasets.concatenate_datasets([splits[s] for s in order])
     strings = [c for c, f in ds.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
     column = text_column or ("text" if "text" in strings else strings[0] if len(strings) == 1 else None)
+    if not strings:
+        raise ValueError(f"hf:{name} has no text column (its columns: {', '.join(ds.features)}); give one of text")
     if column not in strings:
         raise ValueError(f"hf:{name}: set text_column to one of its string columns {strings} (now {text_column!r})")
     return [t for t in ds[column] if t is not None], f"hf:{name}" + (f":{split}" if split else "")

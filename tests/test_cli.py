@@ -99,6 +99,9 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
     if case == "invalid toml":
         toml.write_text("n_layer = \n")
         return argv_for(cfg, toml), [f"config file {toml} is not valid TOML: ", "line 1"]  # tomllib's words after
+    if case == "text as config":
+        (text := tmp / "speech.txt").write_text(TEXT)
+        return argv_for(cfg, text), [f"config file {text} is not valid TOML: ", f"text file: --dataset={text})"]
     if case == "missing device":  # plain cuda where there is none (the usual slip), else cuda:N, N = the count
         name = f"cuda:{n}" if (n := torch.cuda.device_count()) else "cuda"
         return argv_for(cfg, device=name), [f"device={name!r}", f"has {n} cuda", "--device=cpu"]
@@ -122,8 +125,8 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown key in toml", "ill-typed value in toml", "non-UTF-8 toml",
-                                  "invalid toml", "config is a folder", "out_dir is a file", "missing device",
-                                  "non-UTF-8 corpus", "doc_mask without documents", "split too short",
+                                  "invalid toml", "text as config", "config is a folder", "out_dir is a file",
+                                  "missing device", "non-UTF-8 corpus", "doc_mask without documents", "split too short",
                                   "too big for memory"])
 def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, tmp_path, capsys):
     argv, fragments = bad_train_args(case, tmp_path)

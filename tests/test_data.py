@@ -211,13 +211,16 @@ def test_a_data_file_or_a_folder_of_them_loads_train_split_first_and_txt_files_r
 def test_the_text_column_is_text_or_the_only_string_column_or_the_one_named(hf, tmp_path):
     for name, columns in [("texty", {"title": ["A"], "text": ["body\n"]}),
                           ("one", {"content": ["only ", None, "strings"], "id": [1, 2, 3]}),
-                          ("two", {"title": ["A", "B"], "body": ["first\n", "second\n"], "n": [1, 2]})]:
+                          ("two", {"title": ["A", "B"], "body": ["first\n", "second\n"], "n": [1, 2]}),
+                          ("none", {"n": [1, 2], "x": [0.5, 1.5]})]:
         hf.Dataset.from_dict(columns).save_to_disk(tmp_path / name)
     assert load_text(f"hf:{tmp_path / 'texty'}")[0] == SEP + "body\n"
     assert load_text(f"hf:{tmp_path / 'one'}")[0] == SEP + "only " + SEP + "strings"  # a null row adds nothing
     assert load_text(f"hf:{tmp_path / 'two'}", text_column="body")[0] == SEP + "first\n" + SEP + "second\n"
     with pytest.raises(ValueError, match=r"set text_column to one of its string columns \['title', 'body'\]"):
         load_text(f"hf:{tmp_path / 'two'}")
+    with pytest.raises(ValueError, match=r"none has no text column \(its columns: n, x\); give one of text"):
+        load_text(f"hf:{tmp_path / 'none'}")
 
 
 @pytest.mark.parametrize("field, value", [("split", "dev"), ("text_column", "content")])

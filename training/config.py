@@ -181,7 +181,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ValueError(f"config file {path}: cannot read it ({e.strerror}); give a .toml file") from None
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+        text = "" if Path(path).suffix == ".toml" else f" (to train on a text file: --dataset={path})"
+        raise ValueError(f"config file {path} is not valid TOML: {e}{text}") from None
     for key in data:
         check_key(key, TrainConfig, f" in {path}")
     return data
