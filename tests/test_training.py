@@ -236,6 +236,7 @@ def test_a_config_is_the_file_then_the_overrides_in_order(tmp_path):
     assert parse_args(["--max_iters=50", "--lr_decay_iters=50"]).warmup_iters == 100  # ends in its warmup: no decay
     spaced = parse_args(["--compile", "auto", "--resume", "on", "--exact_val", "False"])  # a value after a bare flag
     assert (spaced.compile, spaced.resume, spaced.exact_val) == ("auto", True, False)
+    assert parse_args(["--compile=False"]).compile == "false" == parse_args(["--compile", "0"]).compile  # nanoGPT's
     edges = parse_args(["--resume=yes", "--bias=1", f"--seed={2**62}", "--weight_decay=0"])  # yes, 1; range ends
     assert (edges.resume, edges.bias, edges.seed, edges.weight_decay) == (True, True, 2**62, 0.0)
     with pytest.raises(ValueError, match=re.escape("config field dtype='fp16' is not one of auto, float32")):
@@ -269,6 +270,7 @@ def test_every_architecture_field_of_a_run_reaches_its_model():
     ("--beta2=1", "beta2 must be in [0, 1), got 1.0"),
     ("--min_lr=1", "min_lr=1.0 exceeds learning_rate=0.001; give --min_lr <= 0.001"),
     ("--n_layer=four", "n_layer: 'four' is not a valid int"), ("--split=train", "applies to hf: datasets only"),
+    ("--bias=maybe", "config key bias: 'maybe' is not a valid bool (true or false)"),
     ("--text_column=body", "text_column='body' applies to hf: datasets only"),
     ("--device=tpu", "device must be one of auto, cpu, cuda, cuda:N, mps, got 'tpu'"),
     (f"--seed={2**62 + 1}", f"seed must be in [0, 2**62], got {2**62 + 1}"),  # rank and step seeds stay int64

@@ -214,10 +214,13 @@ def parse_values(argv: list[str], kind: type = TrainConfig) -> dict[str, Any]:
             if not given and bare is None:
                 raise ValueError(f"{kind.KEY} {key} needs a value: --{key}=VALUE")
             text = args.pop(0) if given else bare
+        if "true" in choices and text.lower() in BOOLS:  # nanoGPT's --compile=False
+            text = str(BOOLS[text.lower()]).lower()
         try:
             values[key] = BOOLS[text.lower()] if value_type is bool else value_type(text)
         except (KeyError, ValueError):
-            raise ValueError(f"{kind.KEY} {key}: {text!r} is not a valid {value_type.__name__}") from None
+            raise ValueError(f"{kind.KEY} {key}: {text!r} is not a valid {value_type.__name__}"
+                             + " (true or false)" * (value_type is bool)) from None
     return values
 
 
