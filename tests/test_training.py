@@ -460,6 +460,9 @@ def test_a_cpu_run_remembers_its_speed_and_a_resumed_run_keeps_its_compile_choic
     kept = runtime.remembered(key := runtime.speed_key(cfg.replace(dtype="float32")))[0]
     assert kept.keys() == {"eager", "compiled", "cold_s", "warm_s"} and min(kept.values()) >= 0 < kept["cold_s"], kept
     assert (kept["eager"], kept["compiled"]) == (runs[0]["ms_per_step_median"], runs[2]["ms_per_step_median"])
+    stopped = {**runs[0], "ms_per_step_median": 1e3, "interrupted": "SIGINT"}  # stopped for a reason (a busy machine)
+    runtime.record_speed(cfg.replace(dtype="float32", compile="false"), stopped)
+    assert runtime.remembered(key)[0] == kept, "a stopped run's speed was kept"
     with monkeypatch.context() as patch:  # another torch's compile starts cold
         marker = runtime.compiled_here(cfg)
         patch.setattr(torch, "__version__", "0.0-another")
