@@ -39,8 +39,8 @@ def join_documents(docs: Iterable[str], name: str) -> str:
     docs = [d for d in docs if d]
     bad = next((i for i, d in enumerate(docs) if SEPARATOR in d), None)
     if bad is not None:
-        raise ValueError(f"{name}: document {bad} contains U+001E, the document separator; remove it first, e.g. "
-                         f"tr -d '\\036' < FILE > FILE.clean")
+        raise ValueError(f"{name}: document {bad + 1} (of the non-empty ones, beginning {docs[bad][:20]!r}) contains "
+                         f"U+001E, the document separator; remove it first, e.g. tr -d '\\036' < FILE > FILE.clean")
     return "".join(SEPARATOR + d for d in docs)
 
 
