@@ -270,7 +270,8 @@ def test_a_checkpoint_saved_at_a_stop_after_the_summary_was_written_resumes(run_
     stopped_at(out, step=2)
     assert train.main(cli_args(cfg.replace(max_iters=4))) == 0, capsys.readouterr().err
     assert json.loads((out / "summary.json").read_text())["steps_this_run"] == 2
-    assert "note: resumed with" not in capsys.readouterr().out  # nothing changed but max_iters
+    assert "note: resumed with" not in (said := capsys.readouterr().out)  # nothing changed but max_iters
+    assert "\ndone: 4 steps, 2 of them in " in said  # this run's time is 2 steps
 
 
 # --- atomic writes ---------------------------------------------------------------------------

@@ -99,7 +99,9 @@ class RunLog:
         s, ckpt = summary, Path(self.cfg.out_dir) / "ckpt.pt"
         speed = f" ({s['ms_per_step_median']:.1f} ms/step median, {s['tokens_per_second']:,.0f} tok/s over the run)" \
             if s["ms_per_step_median"] and s["tokens_per_second"] else ""
-        head = f"{'stopped' if interrupted else 'done'}: {s['steps']} steps in {format_duration(s['wall_seconds'])}"
+        ran = f", {s['steps_this_run']} of them" if s["steps_this_run"] != s["steps"] else ""  # resumed: this run's
+        took = format_duration(s["wall_seconds"])
+        head = f"{'stopped' if interrupted else 'done'}: {s['steps']} steps{ran} in {took}"
         head += f", {format_duration(s['compile_seconds'])} of it compiling" if s["compile_seconds"] >= 1 else ""
         losses = [f"exact val loss {s['final_val_loss']:.4f} ({s['final_val_bpc']:.3f} bpc)"] \
             if s["final_val_loss"] is not None else []
