@@ -318,6 +318,20 @@ def check_perturbation(model: GPT, x: Tensor, path: str = "forward", seed: int =
     return check
 
 
+def check_rows_apart(model: GPT, x: Tensor) -> Check:
+    """Each row of a batch is its own sequence, on every path: new tokens in row 0 leave every other row's logits
+    bit-identical. (The perturbation checks batch their variants, where rows that mix would read as a leak.)"""
+    other = x.clone()
+    other[0] = random_tokens(1, x.size(1), model.config.vocab_size, seed=9)[0]
+    with torch.no_grad():
+        moved = {path: (logits_by(model, x, path) - logits_by(model, other, path)).abs().amax(-1)  # (B, T)
+                 for path in ("forward", "chunked prefill", "decode")}
+    where = next((f"LEAK across rows: row {b + 1}'s logit {i} moves when row 0's tokens change ({path})"
+                  for path, m in moved.items() for b, i in (m[1:] > 0).nonzero()[:1].tolist()), "")
+    return Check("model: rows apart", not where, max(_max(m[1:]) for m in moved.values()),
+                 min(m[0].max().item() for m in moved.values()), where)
+
+
 def check_gradients(model: GPT, x: Tensor) -> Check:
     """d logits[:, t] / d input-embedding[:, s] is non-zero exactly where the rule's reach lets t read s."""
     captured: list[Tensor] = []  # the token embeddings, as the blocks get them, made a leaf to differentiate by
@@ -526,6 +540,7 @@ def model_checks(model: GPT, x: Tensor) -> Iterator[Check]:
     tag = c.attn_backend + modern + window + (", documents" if c.doc_sep is not None else "")
     if model.config.attn_window:
         yield run_check(f"model: rolling cache ({tag})", check_rolling_cache, model, x)
+    yield run_check(f"model: rows apart ({tag})", check_rows_apart, model, x)
     for path in ("forward", "chunked prefill", "decode"):
         yield run_check(f"model: perturbation, {path} ({tag})", check_perturbation, model, x, path)
     yield run_check(f"model: gradients ({tag})", check_gradients, model, x)

@@ -156,6 +156,13 @@ def append_in_float32(self, layer, k, v):
     return REAL["KVCache.append"](self, layer, k.float().to(k.dtype), v.float().to(v.dtype))
 
 
+def append_to_the_next_row(self, layer, k, v):
+    """The cache gives each row the keys and values of the batch's previous row (buffers written through a view
+    whose layout mixes rows)."""
+    k, v = REAL["KVCache.append"](self, layer, k, v)
+    return k.roll(1, 0), v.roll(1, 0)
+
+
 def loss_without_the_last_target(self, idx, targets=None, cache=None, start=0):
     """The training loss over every target but each row's last."""
     logits, loss = REAL["GPT.forward"](self, idx, targets, cache, start)
@@ -238,12 +245,13 @@ MUTANTS = [
     Mutant("rolling cache evicts one key too many", "GPT.new_cache", cache_of(-1)),
     Mutant("rotary positions drift to the rolling cache's slots", "KVCache.positions", positions_by_slot),
     Mutant("the cache rounds keys and values to float32", "KVCache.append", append_in_float32),
+    Mutant("the cache mixes the batch's rows", "KVCache.append", append_to_the_next_row, "LEAK across rows"),
     Mutant("the loss drops each row's last target", "GPT.forward", loss_without_the_last_target),
     Mutant("the exact val pass ignores the window", "exact_loss", exact_loss_without_window),
     Mutant("the separator counted in the previous document", "documents", separator_in_the_previous_document,
            NARROW_OR_WIDE),
     Mutant("document ids from the targets (one position early)", "documents", documents_from_the_targets, LEAK),
-    Mutant("every row takes the first row's documents", "documents", first_rows_documents, NARROW_OR_WIDE),
+    Mutant("every row takes the first row's documents", "documents", first_rows_documents, "LEAK across rows"),
     Mutant("the cache keeps the previous document", "KVCache.documents", cache_forgets_the_documents, NARROW_OR_WIDE),
     Mutant("the cache restarts the document count each forward", "KVCache.last_document", cache_restarts_the_count,
            NARROW_OR_WIDE),
