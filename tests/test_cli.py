@@ -102,6 +102,9 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
     if case == "text as config":
         (text := tmp / "speech.txt").write_text(TEXT)
         return argv_for(cfg, text), [f"config file {text} is not valid TOML: ", f"text file: --dataset={text})"]
+    if case == "nanoGPT's config":
+        (py := tmp / "train_shakespeare_char.py").write_text("always_save_checkpoint = False\n")
+        return argv_for(cfg, py), [f"{py} is not valid TOML: ", "configs are TOML here: nanoGPT's"]
     if case == "missing device":  # plain cuda where there is none (the usual slip), else cuda:N, N = the count
         name = f"cuda:{n}" if (n := torch.cuda.device_count()) else "cuda"
         return argv_for(cfg, device=name), [f"device={name!r}", f"has {n} cuda", "--device=cpu"]
@@ -125,9 +128,9 @@ def bad_train_args(case: str, tmp: Path) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("case", ["unknown key", "unknown key in toml", "ill-typed value in toml", "non-UTF-8 toml",
-                                  "invalid toml", "text as config", "config is a folder", "out_dir is a file",
-                                  "missing device", "non-UTF-8 corpus", "doc_mask without documents", "split too short",
-                                  "too big for memory"])
+                                  "invalid toml", "text as config", "nanoGPT's config", "config is a folder",
+                                  "out_dir is a file", "missing device", "non-UTF-8 corpus", "split too short",
+                                  "doc_mask without documents", "too big for memory"])
 def test_a_bad_train_command_line_is_one_error_line_that_says_the_way_out(case, tmp_path, capsys):
     argv, fragments = bad_train_args(case, tmp_path)
     assert_one_error_line(*run(capsys, train, *argv)[::2], *fragments)

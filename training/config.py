@@ -181,8 +181,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ValueError(f"config file {path}: cannot read it ({e.strerror}); give a .toml file") from None
     except tomllib.TOMLDecodeError as e:
-        text = "" if Path(path).suffix == ".toml" else f" (to train on a text file: --dataset={path})"
-        raise ValueError(f"config file {path} is not valid TOML: {e}{text}") from None
+        hint = {".txt": f" (to train on a text file: --dataset={path})",
+                ".py": " (configs are TOML here: nanoGPT's shakespeare_char ones are in configs/)"}
+        raise ValueError(f"config file {path} is not valid TOML: {e}{hint.get(Path(path).suffix, '')}") from None
     for key in data:
         check_key(key, TrainConfig, f" in {path}")
     return data
