@@ -123,7 +123,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     """Read with weights_only=True after checking each record's CRC-32 (torch.load does not)."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{path} is a directory, not a checkpoint: give {path / CKPT_NAME}")
+        way = f"give {path / CKPT_NAME}" if (path / CKPT_NAME).is_file() else f"it holds no {CKPT_NAME} either"
+        raise ValueError(f"{path} is a directory, not a checkpoint: {way}")
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}: train one (python train.py) or give another --out_dir or --ckpt")
     try:
