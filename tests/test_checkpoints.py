@@ -145,8 +145,10 @@ def test_the_state_dict_has_no_wrapper_prefixes_and_config_and_vocab_are_plain_d
         assert json.loads(json.dumps(ckpt[key])) == ckpt[key], key
     assert TrainConfig(**ckpt["config"]).out_dir == str(folder / "split")
     for other in ({"n_kv_head": 2}, {"n_layer": 1}):  # a newer field (not a TypeError); fewer layers than weights
-        with pytest.raises(ValueError, match="checkpoint model_config does not fit its weights"):
+        with pytest.raises(ValueError, match="checkpoint model_config does not fit its weights") as e:
             model_from_checkpoint({**ckpt, "model_config": {**ckpt["model_config"], **other}})
+        newer = "'n_kv_head' (a newer version's checkpoint: use that version)"
+        assert (newer in str(e.value)) == ("n_kv_head" in other), str(e.value)
 
 
 def test_every_torch_load_in_the_repository_passes_weights_only_true():

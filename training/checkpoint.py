@@ -155,8 +155,9 @@ def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cp
     try:
         model = GPT(GPTConfig(**{**ckpt["model_config"], **overrides}))
         model.load_state_dict(ckpt["model"])
-    except (TypeError, RuntimeError) as e:
-        raise ValueError(f"checkpoint model_config does not fit its weights: {e}") from None
+    except (TypeError, RuntimeError) as e:  # TypeError: a field this version lacks
+        newer = " (a newer version's checkpoint: use that version)" if isinstance(e, TypeError) else ""
+        raise ValueError(f"checkpoint model_config does not fit its weights: {e}{newer}") from None
     return model.to(device), CharTokenizer.from_dict(ckpt["vocab"])
 
 
