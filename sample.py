@@ -28,6 +28,7 @@ class SampleConfig:
 
     PROGRAM: ClassVar[str] = "sample.py"
     KEY: ClassVar[str] = "option"
+    NANOGPT: ClassVar[dict[str, str]] = {"start": "prompt"}  # its sample.py's --start
     FIELD: ClassVar[str] = "--"
     USAGE: ClassVar[tuple[str, ...]] = HELP_HEAD
 

@@ -159,6 +159,7 @@ def test_sample_options_take_a_value_after_a_space_and_a_bare_flag_takes_none():
     ("--ckpt={path.parent}", "{path.parent} is a directory, not a checkpoint: give {path}"),
     ("--ckpt={path.parent.parent}", "{path.parent.parent} is a directory, not a checkpoint: it holds no ckpt.pt"),
     ("--top-k=5", "unknown option 'top-k'; did you mean top_k"), ("--temprature=0", "did you mean temperature?"),
+    ("--start=ROMEO", "unknown option 'start'; did you mean prompt?"),  # nanoGPT's name
     ("--seed=-1", "--seed must be in [0, 2**62], got -1"), ("--top_k=x", "option top_k: 'x' is not a valid int"),
     ("--prompt", "option prompt needs a value: --prompt=VALUE"), ("--top_k=-1", "--top_k must be >= 0, got -1"),
     ("--prompt --seed=1", "option prompt needs a value"),  # an option next is no value

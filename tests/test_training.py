@@ -281,6 +281,7 @@ def test_every_architecture_field_of_a_run_reaches_its_model():
     ("--resume --overwrite", "--resume continues the run in out_dir and --overwrite replaces it: give one of them"),
     ("--zzz=1", "unknown config key 'zzz'; python train.py --help lists them"),  # no guess, nor every key
     ("--warmup=5", "did you mean warmup_iters?"), ("--documents=words", "is not one of '', lines, paragraphs"),
+    ("--init_from=resume", "unknown config key 'init_from'; did you mean resume?"),  # nanoGPT's name
     ("--lr=1", "unknown config key 'lr'; did you mean learning_rate? python train.py --help lists them")])
 def test_an_invalid_value_is_refused_naming_the_field(override, match):
     with pytest.raises(ValueError, match=re.escape(match)):

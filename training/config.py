@@ -71,6 +71,7 @@ class TrainConfig:
 
     PROGRAM: ClassVar[str] = "train.py"
     KEY: ClassVar[str] = "config key"  # how errors name an unknown option, and a field
+    NANOGPT: ClassVar[dict[str, str]] = {"init_from": "resume"}  # its --init_from=resume
     FIELD: ClassVar[str] = "config field "
     USAGE: ClassVar[tuple[str, ...]] = (
         "usage: python train.py [CONFIG.toml] [--field=value ...]", "",
@@ -165,11 +166,13 @@ class TrainConfig:
 
 
 def check_key(key: str, kind: type, where: str = "") -> None:
-    """Raise for a key that is not a field of kind, naming the closest fields (or the one its initials spell)."""
+    """Raise for a key that is not a field of kind, naming the closest fields (or the one its initials spell, or
+    nanoGPT's name gives)."""
     names = [f.name for f in dataclasses.fields(kind)]
     if key not in names:
         close = difflib.get_close_matches(key, names, n=3) or [n for n in names  # or its initials: lr
-                                                               if key == "".join(w[0] for w in n.split("_"))]
+                                                               if key == "".join(w[0] for w in n.split("_"))
+                                                               or kind.NANOGPT.get(key) == n]
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise ValueError(f"unknown {kind.KEY} {key!r}{where}; {hint}python {kind.PROGRAM} --help lists them")
 
