@@ -7,10 +7,11 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import causality as C
 import reference
-from mutants import MUTANTS, shipped, shipped_declared, substitute
+from mutants import LEAK, MUTANTS, shipped, shipped_declared, substitute
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
@@ -35,6 +36,14 @@ def test_every_mutant_is_caught_and_named_for_what_it_is(mutant, monkeypatch, re
     failed = next((c for c in C.iter_checks() if not c.ok), None)
     assert failed is not None, f"mutant {mutant.name!r} passed every check"
     assert mutant.says in str(failed), f"mutant {mutant.name!r} was caught as: {failed}"
+
+
+def test_a_catalogued_rule_that_reads_ahead_must_be_named_a_leak():
+    """The catalogue's own claims, checked: a broken rule that admits a later key anywhere must say LEAK."""
+    q, k = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    for m in (m for m in MUTANTS if m.piece == "visible"):
+        ahead = any((m.replacement(q, k, window) & (k > q)).any() for window in (0, 3))
+        assert (m.says == LEAK) == ahead, f"{m.name!r} reads ahead: {ahead}, but says {m.says!r}"
 
 
 
