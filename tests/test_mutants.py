@@ -67,11 +67,13 @@ def test_the_mask_report_puts_leaks_first_one_whole_line_per_kind_saying_where(m
         ("test_a", f"mask: causal_mask (the causal rule) — {what} | max change where none allowed 0"),
         ("test_b", "model: perturbation (manual) — LEAK: query 0 reads key 1 (1 ahead) | max 0.5"),
         ("test_c", f"model: decoding — {what} | min change where one is required 0"),
-        ("test_d", "assert 1 == 2")]) == [
-        "4 failed (python -m pytest -m mask --tb=short for tracebacks)",
+        ("test_d", "assert 1 == 2"), ("test_e", "model: decode (sdpa) — LEAK: query 2 reads key 5 (3 ahead) | max 0.1"),
+        ("test_f", "assert 3 == 4")]) == [  # another leak's pair stays apart; other numbers do not
+        "6 failed (python -m pytest -m mask --tb=short for tracebacks)",
         "LEAK: query 0 reads key 1 (1 ahead)  [model: perturbation (manual)]",
+        "LEAK: query 2 reads key 5 (3 ahead)  [model: decode (sdpa)]",
         f"{what}  [mask: causal_mask (the causal rule) and 1 more]",
-        "assert 1 == 2  [test_d]"]
+        "assert 1 == 2  [test_d and 1 more]"]
 
 
 def test_the_mask_report_shows_where_an_edit_that_does_not_import_broke(monkeypatch):
