@@ -189,10 +189,11 @@ def check_mask(window: int = 0, T: int = 6) -> Check:
     a cache decodes at every position), and at LONG (past the recipes' block_size, where a rule may change far back).
     On failure the detail draws the mask next to the rule."""
     sizes = [*((Tq, Tk) for Tk in range(T, 0, -1) for Tq in range(Tk, 0, -1)), (LONG, LONG)]  # the drawn ones first
-    checks = [judge("mask: causal_mask", attn_lib.causal_mask(Tq, Tk, window=window).cpu().double(),
-                    rule_grid(Tq, Tk, window), rule_name(window)) for Tq, Tk in sizes]
-    check = next((c for c in checks if not c.ok), checks[0])
-    if not check.ok:
+    checks = [(judge("mask: causal_mask", attn_lib.causal_mask(Tq, Tk, window=window).cpu().double(),
+                     rule_grid(Tq, Tk, window), rule_name(window)), Tq, Tk) for Tq, Tk in sizes]
+    check, Tq, Tk = next((c for c in checks if not c[0].ok), checks[0])
+    if not check.ok:  # a grid not drawn below (queries the last of more keys) says so
+        check.detail += f" (causal_mask({Tq}, {Tk}): queries at the last {Tq} of {Tk} positions)" * (Tq < Tk)
         check.detail += "\n" + mask_picture(window, T) + "\n(model/attention.py:visible)"
     return check
 

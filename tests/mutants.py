@@ -30,7 +30,8 @@ REAL = {"visible": attn_lib.visible, "attention": attn_lib.attention, "get_batch
         "KVCache.positions": attn_lib.KVCache.positions, "GPT.new_cache": model.gpt.GPT.new_cache,
         "documents": attn_lib.documents, "KVCache.documents": attn_lib.KVCache.documents,
         "KVCache.last_document": attn_lib.KVCache.last_document, "join_documents": data.text.join_documents,
-        "KVCache.append": attn_lib.KVCache.append, "GPT.forward": model.gpt.GPT.forward}
+        "KVCache.append": attn_lib.KVCache.append, "GPT.forward": model.gpt.GPT.forward,
+        "causal_mask": attn_lib.causal_mask}
 _REAL_SDPA = F.scaled_dot_product_attention
 LEAK, NARROW_OR_WIDE = "LEAK", "no leak, but not"  # what the first failing check must say
 
@@ -93,6 +94,12 @@ rule_without_window_when_decoding = rule(lambda q, k, window: shipped(q, k, wind
 rule_without_window_for_chunks = rule(lambda q, k, window: shipped(q, k, 0 if 1 < q.numel() < k.numel() else window))
 # a default window far back, past every short test sequence ("no window" should read everything)
 rule_with_a_default_window = rule(lambda q, k, window: shipped(q, k, window or 64))
+
+
+def causal_mask_top_left(Tq, Tk, device=None, window=0):
+    """causal_mask with the queries aligned to the first keys, as sdpa's is_causal (and torch.tril) does."""
+    k_pos = torch.arange(Tk, device=device)
+    return attn_lib.visible(k_pos[:Tq, None], k_pos[None, :], window)
 
 
 # --- broken attention functions (each is the real one with one step done wrong) --------------------
@@ -231,6 +238,8 @@ MUTANTS = [
     Mutant("decoding ignores the window", "visible", rule_without_window_when_decoding, NARROW_OR_WIDE),
     Mutant("chunked prefill ignores the window", "visible", rule_without_window_for_chunks, NARROW_OR_WIDE),
     Mutant("a window of 64 when none is set", "visible", rule_with_a_default_window, NARROW_OR_WIDE),
+    Mutant("causal_mask aligned top-left (fewer queries than keys)", "causal_mask", causal_mask_top_left,
+           "does not read key 1, its own (every rule must allow it) (causal_mask(5, 6)"),
     Mutant("mask applied after softmax, not renormalised", "attention", attention_mask_after_softmax),
     Mutant("future scores multiplied by 0 instead of masked", "attention", attention_scores_times_zero),
     Mutant("softmax over the query axis", "attention", attention_softmax_over_queries),
