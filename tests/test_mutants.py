@@ -38,6 +38,15 @@ def test_every_mutant_is_caught_and_named_for_what_it_is(mutant, monkeypatch, re
     assert mutant.says in str(failed), f"mutant {mutant.name!r} was caught as: {failed}"
 
 
+def test_the_judge_counts_any_change_where_none_is_allowed():
+    """Exact: a masked key given a finite fill instead of -inf moves an output by a tiny amount, a leak all the same."""
+    expected = torch.ones(4, 4, dtype=torch.bool).tril()
+    change = expected.double()
+    change[0, 3] = 1e-300
+    check = C.judge("perturbation", change, expected, "the causal rule")
+    assert not check.ok and check.detail == "LEAK: query 0 reads key 3 (3 ahead)", check
+
+
 def test_a_catalogued_rule_that_reads_ahead_must_be_named_a_leak():
     """The catalogue's own claims, checked: a broken rule that admits a later key anywhere must say LEAK."""
     q, k = torch.arange(8)[:, None], torch.arange(8)[None, :]
