@@ -218,8 +218,8 @@ def parse_values(argv: list[str], kind: type = TrainConfig) -> dict[str, Any]:
             if not given and bare is None:
                 raise ValueError(f"{kind.KEY} {key} needs a value: --{key}=VALUE")
             text = args.pop(0) if given else bare
-        if "true" in choices and text.lower() in BOOLS:  # nanoGPT's --compile=False
-            text = str(BOOLS[text.lower()]).lower()
+        if "true" in choices and text.lower() in BOOLS:  # nanoGPT's --compile=False: a bool, as TOML's false is
+            value_type = bool
         try:
             values[key] = BOOLS[text.lower()] if value_type is bool else value_type(text)
         except (KeyError, ValueError):
