@@ -41,6 +41,7 @@ from training import exact_loss, load_checkpoint, model_from_checkpoint  # noqa:
 WINDOWS = (0, 3)  # the rule without and with a window shorter than every test sequence
 LONG = 300  # the mask's length past every recipe's block_size (256)
 T_ATTENTION = 8
+PATHS = ("forward", "chunked prefill", "decode")  # logits_by's ways to compute a model's logits
 
 
 @dataclass
@@ -326,7 +327,7 @@ def check_rows_apart(model: GPT, x: Tensor) -> Check:
     other[0] = random_tokens(1, x.size(1), model.config.vocab_size, seed=9)[0]
     with torch.no_grad():
         moved = {path: (logits_by(model, x, path) - logits_by(model, other, path)).abs().amax(-1)  # (B, T)
-                 for path in ("forward", "chunked prefill", "decode")}
+                 for path in PATHS}
     where = next((f"LEAK across rows: row {b + 1}'s logit {i} moves when row 0's tokens change ({path})"
                   for path, m in moved.items() for b, i in (m[1:] > 0).nonzero()[:1].tolist()), "")
     return Check("model: rows apart", not where, max(_max(m[1:]) for m in moved.values()),
@@ -542,7 +543,7 @@ def model_checks(model: GPT, x: Tensor) -> Iterator[Check]:
     if model.config.attn_window:
         yield run_check(f"model: rolling cache ({tag})", check_rolling_cache, model, x)
     yield run_check(f"model: rows apart ({tag})", check_rows_apart, model, x)
-    for path in ("forward", "chunked prefill", "decode"):
+    for path in PATHS:
         yield run_check(f"model: perturbation, {path} ({tag})", check_perturbation, model, x, path)
     yield run_check(f"model: gradients ({tag})", check_gradients, model, x)
     yield run_check(f"model: cache values ({tag})", check_chunked_prefill, model, x)

@@ -113,7 +113,7 @@ def test_the_embeddings_drop_at_rate_p_in_train_mode():  # blocks[0] takes dropo
 def test_eval_mode_drops_nothing_on_any_path(backend):
     """Dropout 0.5: eval mode gives the dropout-free logits on every path whatever the seed; train mode does not."""
     model, plain = C.leak_test_model(backend, dropout=0.5), C.leak_test_model(backend, dropout=0.0)
-    x, paths = C.test_tokens(model, 2), ("forward", "chunked prefill", "decode")  # chunked, decode: the KV cache
+    x, paths = C.test_tokens(model, 2), C.PATHS  # chunked, decode: the KV cache
     want, trained = {path: C.logits_by(plain, x, path) for path in paths}, []
     for seed in (0, 1):
         torch.manual_seed(seed)
