@@ -47,6 +47,16 @@ def test_the_judge_counts_any_change_where_none_is_allowed():
     assert not check.ok and check.detail == "LEAK: query 0 reads key 3 (3 ahead)", check
 
 
+def test_a_failed_test_says_first_that_rows_mix_then_leaks_then_the_rest():
+    """Rows that mix look like leaks within a row to the checks that batch their variants: that line leads."""
+    checks = [C.Check(name, False, 1.0, 1.0, detail) for name, detail in (
+        ("a", "no leak, but not the causal rule: query 2 reads key 0"), ("b", "LEAK: query 0 reads key 1 (1 ahead)"),
+        ("c", "LEAK across rows: row 1's logit 0 moves when row 0's tokens change (forward)"))]
+    with pytest.raises(pytest.fail.Exception) as report:
+        C.require(*checks)
+    assert [line.split(" — ")[0] for line in str(report.value).splitlines()] == ["FAIL c", "FAIL b", "FAIL a"]
+
+
 def test_a_catalogued_rule_that_reads_ahead_must_be_named_a_leak():
     """The catalogue's own claims, checked: a broken rule that admits a later key anywhere must say LEAK."""
     q, k = torch.arange(8)[:, None], torch.arange(8)[None, :]
