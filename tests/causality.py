@@ -336,6 +336,25 @@ def check_rows_apart(model: GPT, x: Tensor) -> Check:
                  min(m[0].max().item() for m in moved.values()), where)
 
 
+def check_long_range(backend: str, seed: int = 6, **options) -> Check:
+    """A model of block_size LONG (past every recipe's), on every path: a new token at key 0 or LONG // 2 moves
+    exactly the logits the rule's reach allows (a window or a cache shorter than block_size hidden in the model
+    shows only at such a length)."""
+    model = leak_test_model(backend, block_size=LONG, **options)
+    x, V, keys = random_tokens(1, LONG, model.config.vocab_size, seed), model.config.vocab_size, [0, LONG // 2]
+    expected = expected_reach(model, x)[0]  # (T, T)
+    variants = torch.cat([_change_at(x, j, V, seed + j) for j in keys])  # (K, T)
+    checks = []
+    for path in PATHS:
+        with torch.no_grad():
+            moved = (logits_by(model, variants, path) - logits_by(model, x.repeat(len(keys), 1), path)).abs()
+        change = expected.double()  # the keys not changed: read as the rule says
+        change[:, keys] = moved.amax(-1).T.double().cpu()  # (T, K)
+        checks.append(judge(f"model: long range, {path}", change, expected, model_rule(model)))
+        checks[-1].detail += f" ({path})" * (not checks[-1].ok)
+    return next((c for c in checks if not c.ok), checks[0])
+
+
 def check_gradients(model: GPT, x: Tensor) -> Check:
     """d logits[:, t] / d input-embedding[:, s] is non-zero exactly where the rule's reach lets t read s."""
     captured: list[Tensor] = []  # the token embeddings, as the blocks get them, made a leaf to differentiate by
@@ -564,7 +583,7 @@ def attention_checks(window: int) -> Iterator[Check]:
 def iter_checks() -> Iterator[Check]:
     """Every check, one at a time (the mutant tests stop at the first that fails): the mask and attention under
     each window, the batches and documents, the losses, then models on both backends with and without documents,
-    rotary positions and a window, and dropout."""
+    rotary positions and a window, models LONG positions long, and dropout."""
     for window in WINDOWS:
         yield from attention_checks(window)
     yield run_check("attention: extreme scores", check_attention_extreme_scores)
@@ -583,6 +602,9 @@ def iter_checks() -> Iterator[Check]:
         for backend in ("manual", "sdpa"):
             m = leak_test_model(backend, **options)
             yield from model_checks(m, test_tokens(m))
+    for backend, options in ((b, o) for b in ("manual", "sdpa") for o in ({}, MODERN)):
+        tag = ", ".join([backend, *(f"{k}={v}" for k, v in options.items())])
+        yield run_check(f"model: long range ({tag})", lambda: check_long_range(backend, **options))  # noqa: B023
     yield from (run_check(f"model: training ({backend}, {rule_name(window)})", check_dropout_causality, backend, 3,
                           window) for backend in ("manual", "sdpa") for window in WINDOWS)
 

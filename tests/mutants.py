@@ -45,7 +45,12 @@ class Mutant:
 
 
 def substitute(monkeypatch, piece: str, replacement: Callable) -> None:
-    """Put `replacement` wherever the project holds the real piece (every module that imported it, or the class)."""
+    """Put `replacement` wherever the project holds the real piece (every module that imported it, or the class;
+    "module:name" in that module alone)."""
+    if ":" in piece:
+        module, name = piece.split(":")
+        monkeypatch.setattr(sys.modules[module], name, replacement)
+        return
     if piece == "sdpa":
         monkeypatch.setattr(F, "scaled_dot_product_attention", replacement)
         return
@@ -149,11 +154,12 @@ def sdpa_is_causal_for_square_masks(q, k, v, attn_mask=None, dropout_p=0.0, is_c
 
 # --- broken caches and evaluation ------------------------------------------------------------------
 
-def cache_of(extra: int) -> Callable:
-    """GPT.new_cache whose rolling buffer holds W + extra positions (evicting too few, or too many)."""
+def cache_of(extra: int, full: int | None = None) -> Callable:
+    """GPT.new_cache whose rolling buffer holds W + extra positions (evicting too few, or too many); without a
+    window, `full` positions (None: block_size)."""
     def new_cache(self, B):
         c, w = self.config, self.tok_emb.weight
-        size = c.attn_window + extra if c.attn_window else c.block_size
+        size = c.attn_window + extra if c.attn_window else min(c.block_size, full or c.block_size)
         return attn_lib.KVCache(c.n_layer, B, c.n_head, size, c.n_embd // c.n_head, w.device, w.dtype)
     return new_cache
 
@@ -238,6 +244,8 @@ MUTANTS = [
     Mutant("decoding ignores the window", "visible", rule_without_window_when_decoding, NARROW_OR_WIDE),
     Mutant("chunked prefill ignores the window", "visible", rule_without_window_for_chunks, NARROW_OR_WIDE),
     Mutant("a window of 64 when none is set", "visible", rule_with_a_default_window, NARROW_OR_WIDE),
+    Mutant("the model's masks take a window of 64 when none is set", "model.gpt:visible", rule_with_a_default_window,
+           NARROW_OR_WIDE),
     Mutant("causal_mask aligned top-left (fewer queries than keys)", "causal_mask", causal_mask_top_left,
            "does not read key 1, its own (every rule must allow it) (causal_mask(5, 6)"),
     Mutant("mask applied after softmax, not renormalised", "attention", attention_mask_after_softmax),
@@ -252,6 +260,7 @@ MUTANTS = [
            NARROW_OR_WIDE),
     Mutant("rolling cache evicts one key too few", "GPT.new_cache", cache_of(+1)),
     Mutant("rolling cache evicts one key too many", "GPT.new_cache", cache_of(-1)),
+    Mutant("the cache holds 64 positions, not block_size", "GPT.new_cache", cache_of(0, 64), NARROW_OR_WIDE),
     Mutant("rotary positions drift to the rolling cache's slots", "KVCache.positions", positions_by_slot),
     Mutant("the cache rounds keys and values to float32", "KVCache.append", append_in_float32),
     Mutant("the cache mixes the batch's rows", "KVCache.append", append_to_the_next_row, "LEAK across rows"),
