@@ -83,6 +83,9 @@ def pytest_runtest_logreport(report):
         line = text.splitlines()[0].removeprefix("Failed: ").removeprefix("AssertionError: ").removeprefix("FAIL ")
         if crash and Path(crash.path).is_relative_to(ROOT) and not Path(crash.path).is_relative_to(ROOT / "tests"):
             line += f" ({Path(crash.path).relative_to(ROOT)}:{crash.lineno})"  # the code raised: where
+        elif line == "Regex pattern did not match.":  # an error's text changed: say both texts
+            line = "the error says {1}, where the test expects {0}".format(*(x.partition(": ")[2] for x in
+                                                                             text.splitlines()[1:3]))
         elif crash and line in ("assert False", "assert not True"):  # a bare assert says nothing: its statement does
             where = f"{Path(crash.path).name}:{crash.lineno}"
             line = f"{linecache.getline(crash.path, crash.lineno).strip()} failed ({where})"

@@ -124,11 +124,15 @@ def test_an_error_the_code_raises_is_reported_with_its_file_and_line(monkeypatch
                                                           nodeid="tests/test_x.py::test_a"))
     bare = SimpleNamespace(path=__file__, lineno=test_real_code_passes_every_check.__code__.co_firstlineno + 1,
                            message="assert False\n +  where False = ...")  # a bare assert in a test: its statement
-    conftest.pytest_runtest_logreport(SimpleNamespace(failed=True, longrepr=SimpleNamespace(reprcrash=bare),
-                                                      nodeid="tests/test_x.py::test_b"))
+    regex = SimpleNamespace(path=__file__, lineno=1, message="AssertionError: Regex pattern did not match.\n  "
+                            "Expected regex: 'may read no key'\n  Actual message: 'query 3 is empty'")
+    for crash, test in ((bare, "test_b"), (regex, "test_c")):
+        conftest.pytest_runtest_logreport(SimpleNamespace(failed=True, longrepr=SimpleNamespace(reprcrash=crash),
+                                                          nodeid=f"tests/test_x.py::{test}"))
     assert failures == [("test_a", "NameError: name 'x' is not defined (model/attention.py:29)"),
                         ("test_a", "NameError: name 'x' is not defined"),
-                        ("test_b", f"C.require(*real_checks) failed (test_mutants.py:{bare.lineno})")]
+                        ("test_b", f"C.require(*real_checks) failed (test_mutants.py:{bare.lineno})"),
+                        ("test_c", "the error says 'query 3 is empty', where the test expects 'may read no key'")]
     check = C.run_check("mask: empty", lambda: C.attn_lib.causal_mask(0, 1))
     assert re.fullmatch(r"raised ValueError: causal_mask needs .* \(model/attention\.py:\d+\)", check.detail), check
 
