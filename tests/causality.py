@@ -107,7 +107,11 @@ def judge(name: str, change: Tensor, expected: Tensor, rule: str, tol: float = 0
     change, (Tq, Tk) = change.double().cpu(), change.shape
     must = expected if exact else torch.eye(Tk, dtype=torch.bool)[Tk - Tq:]
     quiet, fired = _max(change[~expected]), change[must].min().item()
-    return Check(name, quiet <= tol and fired > tol, quiet, fired, describe(change > tol, expected, rule, exact))
+    detail = describe(change > tol, expected, rule, exact)
+    if change.isnan().any():  # not "does not read": NaN compares false with everything
+        i, j = change.isnan().nonzero()[0].tolist()
+        detail = f"NaN: query {Tk - Tq + i} computes NaN (key {j} changed); a -inf score times 0, or inf - inf?"
+    return Check(name, quiet <= tol and fired > tol, quiet, fired, detail)
 
 
 def judge_rows(name: str, change: Tensor, expected: Tensor, rule: str, exact: bool = True) -> Check:
@@ -236,7 +240,8 @@ def check_attention_extreme_scores(scale: float = 1e150) -> Check:
     _, w = attn_lib.attention(q, k, v, attn_lib.causal_mask(T, T))
     quiet, fired = _max(w[0, 0, 0, 1:]), w[0, 0, 0, 0].item()  # query 0's weight on later keys, on its own (all of it)
     return Check("attention: extreme scores", quiet == 0.0 and fired == 1.0, quiet, fired,
-                 "" if quiet == 0 else f"LEAK: query 0 gives weight {quiet:.3g} to a later key")
+                 f"LEAK: query 0 gives weight {quiet:.3g} to a later key" if quiet else "" if fired == 1.0 else
+                 f"query 0 gives its only allowed key, its own, weight {fired:.3g}, not 1")
 
 
 def check_attention_gradients(window: int = 0, T: int = T_ATTENTION, seed: int = 0) -> Check:

@@ -138,6 +138,13 @@ def attention_unmasked_in_training(q, k, v, mask=None, dropout_p=0.0):
     return REAL["attention"](q, k, v, None if dropout_p > 0 else mask, dropout_p)
 
 
+def attention_dropout_on_scores(q, k, v, mask=None, dropout_p=0.0):
+    """Dropout on the masked scores, before the softmax: a dropped -inf is 0 x -inf = NaN (in training only)."""
+    M = 0 if mask is None else attn_lib.additive_mask(mask, q.dtype) if mask.dtype == torch.bool else mask
+    w = torch.softmax(F.dropout(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + M, dropout_p), -1)
+    return w @ v, w
+
+
 def attention_unscaled_in_bfloat16(q, k, v, mask=None, dropout_p=0.0):
     """The real attention, but a bfloat16 branch that forgets the 1/√D scale."""
     return REAL["attention"](q * math.sqrt(q.size(-1)) if q.dtype == torch.bfloat16 else q, k, v, mask, dropout_p)
@@ -254,6 +261,7 @@ MUTANTS = [
     Mutant("-1e9 fill (overflows float16)", "attention", attention_fill_minus_1e9),
     Mutant("-1e4 fill instead of -inf (float32)", "attention", attention_fill_minus_1e4),
     Mutant("no mask in training (dropout on)", "attention", attention_unmasked_in_training, LEAK),
+    Mutant("dropout on the scores, before the softmax", "attention", attention_dropout_on_scores, "NaN: query"),
     Mutant("no 1/sqrt(D) scale in bfloat16", "attention", attention_unscaled_in_bfloat16),
     Mutant("sdpa without the mask", "sdpa", sdpa_ignores_the_mask, LEAK),
     Mutant("sdpa is_causal instead of the mask: the window lost", "sdpa", sdpa_is_causal_for_square_masks,

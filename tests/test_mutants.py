@@ -11,7 +11,7 @@ import torch
 
 import causality as C
 import reference
-from mutants import LEAK, MUTANTS, shipped, shipped_declared, substitute
+from mutants import LEAK, MUTANTS, attention_mask_after_softmax, shipped, shipped_declared, substitute
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
@@ -39,12 +39,16 @@ def test_every_mutant_is_caught_and_named_for_what_it_is(mutant, monkeypatch, re
 
 
 def test_the_judge_counts_any_change_where_none_is_allowed():
-    """Exact: a masked key given a finite fill instead of -inf moves an output by a tiny amount, a leak all the same."""
+    """Exact: a masked key given a finite fill instead of -inf moves an output by a tiny amount, a leak all the same;
+    a NaN is named as such."""
     expected = torch.ones(4, 4, dtype=torch.bool).tril()
     change = expected.double()
     change[0, 3] = 1e-300
     check = C.judge("perturbation", change, expected, "the causal rule")
     assert not check.ok and check.detail == "LEAK: query 0 reads key 3 (3 ahead)", check
+    change[2, 1] = float("nan")  # NaN compares false: it must not read as "does not read key 1"
+    check = C.judge("perturbation", change, expected, "the causal rule")
+    assert not check.ok and check.detail.startswith("NaN: query 2 computes NaN (key 1 changed)"), check
 
 
 def test_a_failed_test_says_first_that_rows_mix_then_leaks_then_the_rest():
@@ -55,6 +59,12 @@ def test_a_failed_test_says_first_that_rows_mix_then_leaks_then_the_rest():
     with pytest.raises(pytest.fail.Exception) as report:
         C.require(*checks)
     assert [line.split(" — ")[0] for line in str(report.value).splitlines()] == ["FAIL c", "FAIL b", "FAIL a"]
+
+
+def test_a_check_whose_required_change_is_missing_names_the_code_not_itself(monkeypatch):
+    substitute(monkeypatch, "attention", attention_mask_after_softmax)  # query 0's own weight went to the future
+    check = C.check_attention_extreme_scores()
+    assert check.detail == "query 0 gives its only allowed key, its own, weight 0, not 1", check
 
 
 def test_a_catalogued_rule_that_reads_ahead_must_be_named_a_leak():
