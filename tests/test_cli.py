@@ -214,11 +214,14 @@ def test_the_readmes_window_written_into_the_rule_passes_the_mask_command_once_d
                                         cwd=copy, capture_output=True, text=True, timeout=300)
     undeclared, squeeze = mask(), lambda text: re.sub("=+", "=", text)  # the separators' width is the terminal's
     shown = (ROOT / "README.md").read_text(encoding="utf-8").split(f"`{edit}`")[1].split("```")[1].strip()
-    assert undeclared.returncode == 1 and squeeze(shown) in squeeze(undeclared.stdout), undeclared.stdout[-3000:]
+    assert undeclared.returncode == 1 and squeeze(shown) in squeeze(undeclared.stdout), \
+        "the README's window edit no longer gets the README's report (does the unedited code pass python -m pytest " \
+        f"-m mask?); the mask command said:\n{undeclared.stdout[-3000:]}"
     rewrite(copy / "tests" / "reference.py", "return k <= q and (window", "return k <= q and q - k < 4 and (window")
     rewrite(copy / "tests" / "reference.py", 'else "the causal rule")', 'else "a window of 4")')
     declared = mask()
-    assert declared.returncode == 0 and " passed" in declared.stdout, declared.stdout[-3000:]
+    assert declared.returncode == 0 and " passed" in declared.stdout, \
+        f"the README's window, edited and declared, fails the mask command:\n{declared.stdout[-3000:]}"
 
 
 # --- train.py without a config; the duration estimate ---------------------------------------------------------------
