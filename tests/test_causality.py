@@ -61,10 +61,10 @@ def test_every_path_reads_exactly_what_the_rule_allows_for_any_combination_of_op
 @pytest.mark.parametrize("options, slide", [
     *(pytest.param(o, s, id=f"{name}-{s}") for name, o in (("learned", {}), ("rope-qk_norm", C.MODERN))
       for s in (1, 3, 10)),
-    pytest.param({**C.MODERN, "attn_window": 10}, 1, id="endless-reach-19")])
+    pytest.param({**C.MODERN, "attn_window": 10, "n_layer": 3}, 1, id="endless-reach-28")])
 def test_cached_and_uncached_generation_agree_when_the_window_slides(options, slide):
     """After a prompt of 15 tokens, 40 new ones past block_size 10: a re-prefill every `slide` tokens, cached steps
-    in between; an endless model (window 10, two layers) never slides: it reads 19 tokens back, the prompt's last 19."""
+    in between; an endless model (window 10, three layers, two heads) never slides: it reads 28 tokens back."""
     for backend in ("manual", "sdpa"):
         model = C.leak_test_model(backend, **options)
         tag = ", ".join([backend, *(f"{k}={v}" for k, v in options.items()), f"slide={slide}"])  # which failed

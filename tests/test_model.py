@@ -267,7 +267,7 @@ def test_rotary_positions_rotate_pairs_by_position_times_frequency_and_attention
 
 def test_flops_per_token_is_six_per_weight_plus_the_attention_term():
     """N: tied 17x16 embedding, per layer 2 LayerNorms, qkv, proj, fc, proj, final LayerNorm (a table is no matmul)."""
-    N = 17 * 16 + 2 * (16 + 16 * 48 + 16 * 16 + 16 + 16 * 64 + 64 * 16) + 16
-    for pos_emb in ("learned", "rope"):
-        model = GPT(GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=16, pos_emb=pos_emb))
-        assert (model.flops_per_token(), model.flops_per_token(4)) == (6 * N + 12 * 2 * 16 * 8, 6 * N + 12 * 2 * 16 * 4)
+    N = 17 * 16 + 3 * (16 + 16 * 48 + 16 * 16 + 16 + 16 * 64 + 64 * 16) + 16
+    for pos_emb in ("learned", "rope"):  # 3 layers, 2 heads: a count by heads differs
+        model = GPT(GPTConfig(vocab_size=17, block_size=8, n_layer=3, n_head=2, n_embd=16, pos_emb=pos_emb))
+        assert (model.flops_per_token(), model.flops_per_token(4)) == (6 * N + 12 * 3 * 16 * 8, 6 * N + 12 * 3 * 16 * 4)
