@@ -17,6 +17,7 @@ from data import CharTokenizer, Corpus, check_split_sizes, eval_windows, get_bat
 from data.corpus import encode_corpus
 from data.text import load_text
 from tiny import TEXT
+from training import exact_loss
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
@@ -104,6 +105,25 @@ def test_eval_windows_cover_every_target_exactly_once_in_order_down_to_a_last_wi
         assert all(0 < length <= 5 for _, length in windows)
     assert eval_windows(np.arange(12), 5) == [(0, 5), (5, 5), (10, 1)]  # (12 - 1) % 5 == 1
     assert eval_windows(np.arange(11), 5) == [(0, 5), (5, 5)]
+
+
+class Bigram(torch.nn.Module):
+    """Logits of each position from its own token alone: any window gives the same loss for a pair."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table  # (V, V)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.table[x], None  # (B, T, V)
+
+
+def test_the_exact_loss_scores_each_target_of_a_long_split_once():
+    """40,001 tokens, past int16's reach: a bigram model's exact loss is its mean cross-entropy over every pair."""
+    table = torch.randn(7, 7, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(7, (40_001,), generator=torch.Generator().manual_seed(1))
+    want = torch.nn.functional.cross_entropy(table[tokens[:-1]].double(), tokens[1:]).item()
+    assert exact_loss(Bigram(table), tokens, 16, 64, "cpu") == pytest.approx(want, rel=1e-6)
 
 
 def test_a_folder_is_its_txt_files_in_sorted_path_order_without_hidden_ones(tmp_path):

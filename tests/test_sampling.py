@@ -55,6 +55,8 @@ def test_top_p_stops_where_the_kept_mass_reaches_it_exactly(monkeypatch):
         probs = drawn_from(monkeypatch, torch.zeros(1, 4, dtype=torch.float64), temperature=1.0, top_p=top_p)[0]
         assert (probs > 0).sum().item() == n_kept, f"top_p={top_p}"
         assert torch.allclose(probs[probs > 0], torch.full((n_kept,), 1 / n_kept, dtype=torch.float64))
+    wide = drawn_from(monkeypatch, torch.zeros(1, 128, dtype=torch.float64), temperature=1.0, top_p=0.75)[0]
+    assert (wide > 0).sum().item() == 96  # and over a vocabulary of 128: a nucleus of any width
 
 
 def test_the_table_tells_the_orders_of_the_steps_apart():

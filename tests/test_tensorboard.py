@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     (folder := tmp_path_factory.mktemp("tb")).joinpath("corpus.txt").write_text(TEXT * 100 + TEXT[:50])  # val: not
     cfg = tiny_config(folder, max_iters=16, sample_tokens=8,  # train's first characters; finished; evaluated as often,
                       eval_interval=16 * RECIPE.eval_interval // RECIPE.max_iters,  # for its length, as the recipe
-                      log_interval=3, peak_tflops=1.0)  # an MFU
+                      log_interval=3, peak_tflops=1.0, block_size=40)  # an MFU; maps cut to ATTENTION_CHARS
     with QUIET:
         train.train(cfg)
     return cfg, events(cfg.out_dir)
