@@ -299,6 +299,15 @@ def test_the_shipped_configs_train_the_from_scratch_attention_and_keep_nanogpts_
     assert (cpu.max_iters, cpu.lr_decay_iters, cpu.eval_iters, cpu.dropout, gpu.dropout) == (2000, 2000, 20, 0.0, 0.2)
 
 
+def test_a_corpus_of_40_000_symbols_trains_with_its_ids_past_int16_whole(tmp_path):
+    """Ids up to 65,535 fit a token (tests/test_data.py); past 32,767 they reach the model's embedding unwrapped."""
+    (tmp_path / "corpus.txt").write_text("".join(map(chr, range(0x100, 0x100 + 40_000))) * 2, encoding="utf-8")
+    cfg = tiny_config(tmp_path, max_iters=2, eval_interval=2, eval_iters=1, batch_size=2, block_size=8,
+                      exact_val=False, tensorboard=False)
+    summary = train.train(cfg, verbose=False)
+    assert summary["params"] > 40_000 * 16 and abs(summary["best_val_loss"] - math.log(40_000)) < 1, summary
+
+
 # --- evaluation --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra", range(10))
