@@ -38,7 +38,8 @@ def test_bench_trains_a_config_and_reports_its_figures(tmp_path, capsys):
     assert (figures := json.loads(out.read_text()))["ms_per_step_median"] > 0 and figures["final_val_loss"] > 0
     assert figures["time_to_target"]["step"] == 0 and [h["step"] for h in figures["history"]] == [0, 2, 4]  # at once
     assert figures["best_val_loss"] == min(h["val_loss"] for h in figures["history"])
-    assert 0.2 < figures["ms_per_step_mean"] / figures["ms_per_step_median"] < 5  # both in ms
+    assert 0.01 < figures["ms_per_step_mean"] / figures["ms_per_step_median"] < 100  # both in ms, not 1000x apart
+    # (one of four steps stalled by a busy machine moved the mean 14x once)
     assert not (tmp_path / "out").exists()  # it trained in a temporary directory
 
 
