@@ -591,8 +591,8 @@ def attention_checks(window: int) -> Iterator[Check]:
 
 def iter_checks() -> Iterator[Check]:
     """Every check, one at a time (the mutant tests stop at the first that fails): the mask and attention under
-    each window, the batches and documents, the losses, then models on both backends with and without documents,
-    rotary positions and a window, models LONG positions long, and dropout."""
+    each window, the batches and documents, the losses, training's forward with dropout, then models on both
+    backends with and without documents, rotary positions and a window, and models LONG positions long."""
     for window in WINDOWS:
         yield from attention_checks(window)
     yield run_check("attention: extreme scores", check_attention_extreme_scores)
@@ -606,6 +606,8 @@ def iter_checks() -> Iterator[Check]:
         # 2 full windows and a short one: the end of the split is scored too
         yield run_check("loss: exact val against the next token" + tag, check_exact_loss_is_next_token_cross_entropy,
                         m, corpus[:2 * m.config.block_size + 5])
+    yield from (run_check(f"model: training ({backend}, {rule_name(window)})", check_dropout_causality, backend, 3,
+                          window) for backend in ("manual", "sdpa") for window in WINDOWS)
     for options in (DOCUMENTS, dict(attn_window=3), {}, MODERN, dict(MODERN, attn_window=3),
                     dict(MODERN, attn_window=3, **DOCUMENTS)):
         for backend in ("manual", "sdpa"):
@@ -614,8 +616,6 @@ def iter_checks() -> Iterator[Check]:
     for backend, options in (("manual", {}), ("sdpa", MODERN)):
         tag = ", ".join([backend, *(f"{k}={v}" for k, v in options.items())])
         yield run_check(f"model: long range ({tag})", lambda: check_long_range(backend, **options))  # noqa: B023
-    yield from (run_check(f"model: training ({backend}, {rule_name(window)})", check_dropout_causality, backend, 3,
-                          window) for backend in ("manual", "sdpa") for window in WINDOWS)
 
 
 def checkpoint_checks(path: str, T: int | None = None) -> list[Check]:
