@@ -62,6 +62,7 @@ def test_a_failed_test_says_first_that_rows_mix_then_leaks_then_the_rest():
 
 
 def test_a_check_whose_required_change_is_missing_names_the_code_not_itself(monkeypatch):
+    substitute(monkeypatch, "visible", shipped)  # whatever rule model/attention.py holds
     substitute(monkeypatch, "attention", attention_mask_after_softmax)  # query 0's own weight went to the future
     check = C.check_attention_extreme_scores()
     assert check.detail == "query 0 gives its only allowed key, its own, weight 0, not 1", check
