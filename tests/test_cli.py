@@ -336,23 +336,23 @@ def test_a_prompt_file_is_the_same_prompt_as_its_text_given_inline(sample_a, tmp
 
 
 def test_num_samples_are_three_texts_between_dashed_lines_and_top_k_0_means_every_token(sample_a, monkeypatch):
-    """Samples from one generator, a dashed line between two; --top_k=0 hands sample_next no top-k (all tokens);
-    the KV cache unless --no_cache."""
+    """Samples from one generator, a dashed line between two; --top_k=0 hands sample_next no top-k (all tokens), and
+    --temperature, --top_p, --no_cache and --slide reach generation."""
     code, out, _ = sample_a("--device=cpu", "--prompt=ROMEO:", "--max_new_tokens=10", "--num_samples=3")
     parts = out.removesuffix("\n").split(DASHES)
     assert code == 0 and out.endswith("\n") and len(set(parts)) == 3, parts
     assert all(p.startswith("ROMEO:") and len(p) == len("ROMEO:") + 10 for p in parts), parts
     seen, real = [], model.gpt.sample_next
-    monkeypatch.setattr(model.gpt, "sample_next", lambda logits, *args: seen.append(args[1]) or real(logits, *args))
+    monkeypatch.setattr(model.gpt, "sample_next", lambda logits, *args: seen.append(args[:3]) or real(logits, *args))
     for top_k, want in (("0", None), ("5", 5)):
         seen.clear()
-        assert sample_a("--max_new_tokens=3", f"--top_k={top_k}")[0] == 0
-        assert seen == [want] * 3, (top_k, seen)
+        assert sample_a("--max_new_tokens=3", f"--top_k={top_k}", "--temperature=0.5", "--top_p=0.9")[0] == 0
+        assert seen == [(0.5, want, 0.9)] * 3, (top_k, seen)
     stream, cached = model.gpt.GPT.stream, []
-    monkeypatch.setattr(model.gpt.GPT, "stream", lambda self, *a, **kw: cached.append(kw["use_cache"]) or
-                        stream(self, *a, **kw))
-    assert sample_a("--max_new_tokens=3")[0] == sample_a("--max_new_tokens=3", "--no_cache")[0] == 0
-    assert cached == [True, False]
+    monkeypatch.setattr(model.gpt.GPT, "stream", lambda self, *a, **kw:
+                        cached.append((kw.get("use_cache"), kw.get("slide"))) or stream(self, *a, **kw))
+    assert sample_a("--max_new_tokens=3")[0] == sample_a("--max_new_tokens=3", "--no_cache", "--slide=3")[0] == 0
+    assert cached == [(True, 1), (False, 3)]
 
 
 def test_ctrl_c_while_sampling_keeps_the_text_so_far_and_exits_130_without_a_traceback(sample_a, monkeypatch):

@@ -235,7 +235,8 @@ def test_the_text_column_is_text_or_the_only_string_column_or_the_one_named(hf, 
                           ("none", {"n": [1, 2], "x": [0.5, 1.5]})]:
         hf.Dataset.from_dict(columns).save_to_disk(tmp_path / name)
     assert load_text(f"hf:{tmp_path / 'texty'}")[0] == SEP + "body\n"
-    assert load_text(f"hf:{tmp_path / 'one'}")[0] == SEP + "only " + SEP + "strings"  # a null row adds nothing
+    for documents in ("", "lines"):  # a null row adds nothing
+        assert load_text(f"hf:{tmp_path / 'one'}", documents=documents)[0] == SEP + "only " + SEP + "strings"
     assert load_text(f"hf:{tmp_path / 'two'}", text_column="body")[0] == SEP + "first\n" + SEP + "second\n"
     with pytest.raises(ValueError, match=r"set text_column to one of its string columns \['title', 'body'\]"):
         load_text(f"hf:{tmp_path / 'two'}")
