@@ -33,9 +33,10 @@ sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import data.text  # noqa: E402
 import model.attention as attn_lib  # noqa: E402
+import reference  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.gpt import sample_next  # noqa: E402
-from reference import document_ids, reach, rule_grid, rule_name  # noqa: E402
+from reference import reach, rule_grid, rule_name  # noqa: E402
 from training import exact_loss, load_checkpoint, model_from_checkpoint  # noqa: E402
 
 WINDOWS = (0, 3)  # the rule without and with a window shorter than every test sequence
@@ -83,12 +84,14 @@ def _also(check: Check, ok: bool, detail: str) -> Check:
     return check
 
 
-def describe(reads: Tensor, expected: Tensor, rule: str, exact: bool = True) -> str:
-    """What is wrong with reads (Tq, Tk) bool (query at position Tk - Tq + i depends on key j) against the rule's
-    expected cells: a leak, a query blind to its own key, other cells than the rule's (only forbidden ones unless
-    exact), in that order. '' if nothing."""
-    Tq, Tk = reads.shape
-    q, k = torch.arange(Tk - Tq, Tk)[:, None], torch.arange(Tk)[None, :]
+def describe(reads: Tensor, expected: Tensor, rule: str, exact: bool = True, q: Tensor | None = None,
+             k: Tensor | None = None) -> str:
+    """What is wrong with reads (Tq, Tk) bool (query at position Tk - Tq + i depends on key j; or at q, k, tensors of
+    reads' shape) against the rule's expected cells: a leak, a query blind to its own key, other cells than the
+    rule's (only forbidden ones unless exact), in that order. '' if nothing."""
+    if q is None:
+        Tq, Tk = reads.shape
+        q, k = torch.arange(Tk - Tq, Tk)[:, None].expand(Tq, Tk), torch.arange(Tk)[None, :].expand(Tq, Tk)
     wrong = [(reads & (k > q), "LEAK: query {q} reads key {k} ({ahead} ahead)"),
              (~reads & (k == q), "query {q} does not read key {k}, its own (every rule must allow it)"),
              (reads & ~expected, "no leak, but not {rule}: query {q} reads key {k}, which the rule forbids"),
@@ -96,8 +99,8 @@ def describe(reads: Tensor, expected: Tensor, rule: str, exact: bool = True) -> 
                                          "allows")]
     for cells, text in wrong:
         if cells.any():
-            i, j = cells.nonzero()[0].tolist()
-            return text.format(q=Tk - Tq + i, k=j, ahead=j - (Tk - Tq + i), rule=rule)
+            at = tuple(cells.nonzero()[0])
+            return text.format(q=q[at].item(), k=k[at].item(), ahead=(k[at] - q[at]).item(), rule=rule)
     return ""
 
 
@@ -173,7 +176,7 @@ def expected_reach(model: GPT, x: Tensor) -> Tensor:
     c, (B, T) = model.config, x.shape
     if c.doc_sep is None:
         return reach(rule_grid(T, T, c.attn_window), c.n_layer).expand(B, T, T)
-    return torch.stack([reach(rule_grid(T, T, c.attn_window, document_ids(row, c.doc_sep)), c.n_layer)
+    return torch.stack([reach(rule_grid(T, T, c.attn_window, reference.document_ids(row, c.doc_sep)), c.n_layer)
                         for row in x.tolist()])
 
 
@@ -191,17 +194,50 @@ def _change_at(x: Tensor, j: int, V: int, seed: int) -> Tensor:
 
 # --- the mask and attention alone ------------------------------------------------------------------
 
+def far_positions(seed: int = 0) -> tuple[Tensor, Tensor]:
+    """(Q, 53) query and key positions past LONG, where a rule may change (a chunk's edge, a long window's, an
+    overflow): queries at powers of 2 and 10 (and +-1) and at random up to 2^24 (and 0, 1), each against the 40 keys
+    before it, itself, the 2 after it, the first 2 and 8 at random."""
+    g, bases = torch.Generator().manual_seed(seed), [2**n for n in range(9, 25)] + [10**n for n in range(3, 8)]
+    q = torch.tensor([0, 1, *(b + d for b in bases for d in (-1, 0, 1)),  # 0, 1: where a declaration may read ahead
+                      *torch.randint(LONG, 2**24, (32,), generator=g).tolist()])
+    near, first = (q[:, None] + torch.arange(-40, 3)).clamp(min=0), torch.tensor([[0, 1]]).expand(len(q), 2)
+    k = torch.cat([near, first, (torch.rand(len(q), 8, generator=g) * q[:, None]).long()], 1)
+    return q[:, None].expand_as(k), k
+
+
+def check_rule_far_out(window: int) -> str:
+    """What is wrong with `visible` against the declared rule at far_positions (positions alone: documents are the
+    model checks'), or with the declared rule itself (a later key allowed); '' if nothing."""
+    q, k = far_positions()
+    want = torch.tensor([reference.declared_rule(a, b, window)
+                         for a, b in zip(q.flatten().tolist(), k.flatten().tolist(), strict=True)]).view(q.shape)
+    if (want & (k > q)).any():  # the checks clip it to the past: say so here
+        i = tuple((want & (k > q)).nonzero()[0])
+        return (f"tests/reference.py's declared_rule lets query {q[i]} read key {k[i]}, a later one: no rule may (the "
+                "checks hold the model to the rule without the later keys)")
+    detail = describe(attn_lib.visible(q, k, window), want, rule_name(window), q=q, k=k)
+    return detail and f"{detail} (model/attention.py:visible, checked out to 2^24 positions)"
+
+
 def check_mask(window: int = 0, T: int = 6) -> Check:
     """causal_mask(Tq, Tk) is the declared rule's grid for every Tq <= Tk <= T (queries aligned with the last keys, as
-    a cache decodes at every position), and at LONG (past the recipes' block_size, where a rule may change far back).
-    On failure the detail draws the mask next to the rule."""
+    a cache decodes at every position), and at LONG (past the recipes' block_size, where a rule may change far back);
+    `visible` is the rule up to 2^24 positions (check_rule_far_out). On failure the detail draws the mask next to the
+    rule. The declared rule must give every query a key, and none a later one."""
     sizes = [*((Tq, Tk) for Tk in range(T, 0, -1) for Tq in range(Tk, 0, -1)), (LONG, LONG)]  # the drawn ones first
-    checks = [(judge("mask: causal_mask", attn_lib.causal_mask(Tq, Tk, window=window).cpu().double(),
-                     rule_grid(Tq, Tk, window), rule_name(window)), Tq, Tk) for Tq, Tk in sizes]
+    grids = [rule_grid(Tq, Tk, window) for Tq, Tk in sizes]
+    if empty := (~grids[-1].any(-1)).nonzero().flatten().tolist():  # else 0/0 in every check
+        return Check("mask: causal_mask", False, math.nan, 0.0, f"tests/reference.py's declared_rule gives query "
+                     f"{empty[0]} no key: every query must read one, its own at least")
+    checks = [(judge("mask: causal_mask", attn_lib.causal_mask(Tq, Tk, window=window).cpu().double(), grid,
+                     rule_name(window)), Tq, Tk) for (Tq, Tk), grid in zip(sizes, grids, strict=True)]
     check, Tq, Tk = next((c for c in checks if not c[0].ok), checks[0])
     if not check.ok:  # a grid not drawn below (queries the last of more keys) says so
         check.detail += f" (causal_mask({Tq}, {Tk}): queries at the last {Tq} of {Tk} positions)" * (Tq < Tk)
         check.detail += "\n" + mask_picture(window, T) + "\n(model/attention.py:visible)"
+    elif far := check_rule_far_out(window):
+        check.ok, check.detail = False, far
     return check
 
 
@@ -428,11 +464,13 @@ def check_cache_parity(model: GPT, prompt: Tensor, new_tokens: int = 16, seed: i
                 logits = model(seq if model.endless else seq[:, -model.config.block_size:])[0][:, -1]
                 seq = torch.cat([seq, sample_next(logits, 1.0, generator=g)], dim=1)
         runs["one-forward-per-token"] = seq
-    differ = {path: (run != runs["cached"]).any(0).nonzero() for path, run in runs.items()}
+    truth = runs.pop("one-forward-per-token", runs["cached"])  # the definition where there is one: it names the path
+    differ = {path: (run != truth).any(0).nonzero() for path, run in runs.items()}
     # positive control: a different seed draws different tokens, so equality above is informative
     other = model.generate(prompt, 4, temperature=1.0, generator=gen(seed + 1), slide=slide)
     fired = (other != runs["cached"][:, :other.size(1)]).sum().item()
-    where = next((f"the cached and the {p} paths part at token {d[0].item()}" for p, d in differ.items() if len(d)), "")
+    by = "one forward per token" if truth is not runs["cached"] else "the cached path"
+    where = next((f"the {p} path parts from {by} at token {d[0].item()}" for p, d in differ.items() if len(d)), "")
     return Check("model: KV-cache parity", not where and fired > 0, float(sum(map(len, differ.values()))),
                  float(fired), where)
 
@@ -453,14 +491,20 @@ def check_chunked_prefill(model: GPT, x: Tensor, decoded: int | None = None) -> 
 
 
 def check_rolling_cache(model: GPT, x: Tensor) -> Check:
-    """With a window W the cache keeps exactly the last W positions: the keys it returns next are those."""
-    W, cache = model.config.attn_window, model.new_cache(x.size(0))
+    """Fed x (B, T) a token at a time, the cache holds every key a later query may read (the declared rule's
+    positions), in no more slots than the window W or those keys and the next one need: memory stays bounded."""
+    W, T, cache = model.config.attn_window, x.size(1), model.new_cache(x.size(0))
     with torch.no_grad():
-        for t in range(x.size(1)):
+        for t in range(T):
             model(x[:, t:t + 1], cache=cache)
-    held, want = sorted(cache.positions(0)[1].tolist()), list(range(max(0, x.size(1) - W), x.size(1)))
-    return Check("model: rolling cache", held == want, float(held != want), float(len(want)),
-                 "" if held == want else f"it holds positions {held}, not the last {W}: {want}")
+    held = sorted(cache.positions(0)[1].tolist())
+    want = [k for k in range(T) if any(reference.declared_rule(q, k, W) for q in range(T, T + LONG))]
+    missing, slots = sorted(set(want) - set(held)), max(W, len(want) + 1)
+    detail = "" if not missing and len(held) <= slots else \
+        f"it holds positions {held}, not {missing}, which {rule_name(W)} lets a later query read" if missing else \
+        f"it holds {len(held)} positions {held}, more than {slots}: later queries need {want}"
+    return Check("model: rolling cache", not detail, float(len(missing) + max(0, len(held) - slots)), float(len(want)),
+                 detail)
 
 
 # --- label shift ---------------------------------------------------------------------------------

@@ -4,12 +4,14 @@ Each mutant replaces ONE piece of the real code (the rule, the attention functio
 cache, the exact val pass or the batcher) for the duration of a test; the model itself is never copied. The
 meta-tests in tests/test_mutants.py run the same checks as the suite (tests/causality.py) with each mutant in
 place and require that some check fails, and that the first failure says what kind of bug it is: a LEAK, or
-"no leak, but not" the declared rule. They run on the shipped rule, declared as such (`shipped` below), whatever
-model/attention.py holds: a rule changed on purpose may make a catalogued bug harmless, never the checks blunt.
+"no leak, but not" the declared rule. They run on the shipped rule, documents and cache, declared as such
+(`put_back_shipped`), whatever yours are: a rule changed on purpose may make a catalogued bug harmless, never the
+checks blunt.
 To add a mutant, write the broken piece (a few lines) and add a `Mutant(...)` line to MUTANTS.
 """
 
 import dataclasses
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -23,6 +25,7 @@ import data
 import data.text
 import model.attention as attn_lib
 import model.gpt
+import reference
 import training.evaluate
 
 REAL = {"visible": attn_lib.visible, "attention": attn_lib.attention, "get_batch": data.get_batch,
@@ -59,9 +62,10 @@ def substitute(monkeypatch, piece: str, replacement: Callable) -> None:
         monkeypatch.setattr(getattr(attn_lib, cls, None) or getattr(model.gpt, cls), name, replacement)
         return
     original = REAL[piece]
+    now = getattr(sys.modules[original.__module__], piece)  # a replacement put there before, or the original
     for name, module in list(sys.modules.items()):
         if name.split(".")[0] in ("model", "data", "training", "train", "sample", "causality") and \
-                getattr(module, piece, None) is original:
+                any(getattr(module, piece, None) is f for f in (original, now)):
             monkeypatch.setattr(module, piece, replacement)
 
 
@@ -88,6 +92,25 @@ def shipped_declared(q: int, k: int, window: int = 0, same_document: bool = True
     return k <= q and (window == 0 or q - k < window) and same_document
 
 
+def shipped_documents(tokens: Tensor, sep: int, first: Tensor | int = 0) -> Tensor:
+    """model/attention.py's documents as shipped: a separator opens its document."""
+    return (tokens == sep).cumsum(-1) + first
+
+
+def shipped_document_ids(tokens: list[int], sep: int) -> list[int]:
+    """tests/reference.py's document_ids as shipped."""
+    return list(itertools.accumulate(int(token == sep) for token in tokens))
+
+
+def put_back_shipped(monkeypatch, but: str = "") -> None:
+    """The shipped rule, documents and cache (all but the piece `but`), and their declarations, in place of yours."""
+    for piece, replacement in (("visible", shipped), ("documents", shipped_documents), ("GPT.new_cache", cache_of(0))):
+        if piece != but:
+            substitute(monkeypatch, piece, replacement)
+    monkeypatch.setattr(reference, "declared_rule", shipped_declared)
+    monkeypatch.setattr(reference, "document_ids", shipped_document_ids)
+
+
 rule_none = rule(lambda q, k, window: torch.ones_like(k <= q))
 rule_hides_diagonal = rule(lambda q, k, window: (k < q) & _in_window(q, k, window))
 rule_leaks_one_step = rule(lambda q, k, window: (k <= q + 1) & _in_window(q, k, window))
@@ -99,6 +122,8 @@ rule_without_window_when_decoding = rule(lambda q, k, window: shipped(q, k, wind
 rule_without_window_for_chunks = rule(lambda q, k, window: shipped(q, k, 0 if 1 < q.numel() < k.numel() else window))
 # a default window far back, past every short test sequence ("no window" should read everything)
 rule_with_a_default_window = rule(lambda q, k, window: shipped(q, k, window or 64))
+# positions kept in 16 bits: past 32,767 they wrap, and the last of them reads ahead
+rule_in_int16 = rule(lambda q, k, window: shipped(q.to(torch.int16), k.to(torch.int16), window))
 
 
 def causal_mask_top_left(Tq, Tk, device=None, window=0):
@@ -206,12 +231,12 @@ def exact_loss_without_window(model, *args, **kwargs):
 # --- broken documents ---------------------------------------------------------------------------------
 
 # the separator closes its document instead of opening the next
-separator_in_the_previous_document = lambda t, sep, first=0: REAL["documents"](t, sep, first) - (t == sep).long()
+separator_in_the_previous_document = lambda t, sep, first=0: shipped_documents(t, sep, first) - (t == sep).long()
 # ids of the next tokens: the future
-documents_from_the_targets = lambda t, sep, first=0: REAL["documents"](t.roll(-1, dims=-1), sep, first)
+documents_from_the_targets = lambda t, sep, first=0: shipped_documents(t.roll(-1, dims=-1), sep, first)
 # one document mask for the whole batch, from its first row: the other rows read across their own documents' edges
-first_rows_documents = lambda t, sep, first=0: REAL["documents"](t[:1], sep, first[:1] if torch.is_tensor(first)
-                                                                 else first).expand_as(t)
+first_rows_documents = lambda t, sep, first=0: shipped_documents(t[:1], sep, first[:1] if torch.is_tensor(first)
+                                                                   else first).expand_as(t)
 # each forward counts documents from 0: a cached key of document 3 is foreign to a query of document 1
 cache_restarts_the_count = lambda self: 0
 rows_joined_with_nothing = lambda docs, name: "".join(d for d in docs if d)
@@ -251,6 +276,7 @@ MUTANTS = [
     Mutant("decoding ignores the window", "visible", rule_without_window_when_decoding, NARROW_OR_WIDE),
     Mutant("chunked prefill ignores the window", "visible", rule_without_window_for_chunks, NARROW_OR_WIDE),
     Mutant("a window of 64 when none is set", "visible", rule_with_a_default_window, NARROW_OR_WIDE),
+    Mutant("positions in int16: the rule wraps past 32,767", "visible", rule_in_int16, LEAK),
     Mutant("the model's masks take a window of 64 when none is set", "model.gpt:visible", rule_with_a_default_window,
            NARROW_OR_WIDE),
     Mutant("causal_mask aligned top-left (fewer queries than keys)", "causal_mask", causal_mask_top_left,
@@ -267,7 +293,7 @@ MUTANTS = [
     Mutant("sdpa is_causal instead of the mask: the window lost", "sdpa", sdpa_is_causal_for_square_masks,
            NARROW_OR_WIDE),
     Mutant("rolling cache evicts one key too few", "GPT.new_cache", cache_of(+1)),
-    Mutant("rolling cache evicts one key too many", "GPT.new_cache", cache_of(-1)),
+    Mutant("rolling cache evicts two keys too many", "GPT.new_cache", cache_of(-2)),  # -1: W held + the new one
     Mutant("the cache holds 64 positions, not block_size", "GPT.new_cache", cache_of(0, 64),
            "the chunked prefill path gives other logits than one forward from position 150"),
     Mutant("rotary positions drift to the rolling cache's slots", "KVCache.positions", positions_by_slot),

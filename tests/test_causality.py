@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 import causality as C
-import reference
 from model import GPT, GPTConfig
-from mutants import rule_window_one_wider, shipped_declared, substitute
+from mutants import put_back_shipped, rule_window_one_wider, substitute
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
 
@@ -113,8 +112,8 @@ def test_the_checkpoint_command_exits_1_on_a_leak_and_2_on_a_bad_length(tmp_path
     with pytest.raises(SystemExit, match="2"):
         C.main(["--T=5"])  # without --ckpt it would be ignored
     assert "--T sets the length of a checkpoint's checks: give --ckpt too" in capsys.readouterr().err
-    substitute(monkeypatch, "visible", rule_window_one_wider)  # no leak: the window's edge, seen at the default T
-    monkeypatch.setattr(reference, "declared_rule", shipped_declared)  # a bug of the shipped rule, declared as such
+    put_back_shipped(monkeypatch)  # a bug of the shipped rule, declared as such: no leak, the window's edge
+    substitute(monkeypatch, "visible", rule_window_one_wider)
     assert C.main(["--ckpt", str(far)]) == 1 and "no leak, but not" in capsys.readouterr().out
     monkeypatch.undo()
     substitute(monkeypatch, "visible", lambda q, k, *a, **kw: k <= q + 1)  # every query reads one key ahead
