@@ -3,6 +3,7 @@
 import copy
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from model import GPT, GPTConfig
 from model.attention import CausalSelfAttention, additive_mask, apply_rope, attention, causal_mask
 from model.gpt import rope_frequencies
 from reference import reference_forward
+from training import estimate_loss, exact_loss
 from training.visualize import prompt_attention
 
 pytestmark = pytest.mark.mask  # in the mask command: python -m pytest -m mask
@@ -111,7 +113,8 @@ def test_the_embeddings_drop_at_rate_p_in_train_mode():  # blocks[0] takes dropo
 @pytest.mark.parametrize("backend", ["manual", "sdpa"])
 @torch.no_grad()
 def test_eval_mode_drops_nothing_on_any_path(backend):
-    """Dropout 0.5: eval mode gives the dropout-free logits on every path whatever the seed; train mode does not."""
+    """Dropout 0.5: eval mode gives the dropout-free logits on every path whatever the seed; train mode does not.
+    The loss estimate and the exact val put a model that trains in eval mode, and give it back training."""
     model, plain = C.leak_test_model(backend, dropout=0.5), C.leak_test_model(backend, dropout=0.0)
     x, paths = C.test_tokens(model, 2), C.PATHS  # chunked, decode: the KV cache
     want, trained = {path: C.logits_by(plain, x, path) for path in paths}, []
@@ -122,6 +125,11 @@ def test_eval_mode_drops_nothing_on_any_path(backend):
             assert err < 1e-9, f"{path} ({backend}) in eval mode moved by {err:.3g}: dropout acted"
         trained.append(model.train()(x)[0])  # the positive control: in train mode, other logits for another seed
     assert (trained[0] - trained[1]).abs().max() > 1e-3
+    data, cfg = x.flatten(), SimpleNamespace(eval_iters=2, batch_size=2, block_size=model.config.block_size, seed=0)
+    for name, loss in (("exact val", lambda m: exact_loss(m, data, cfg.block_size, 2, "cpu")),
+                       ("estimate", lambda m: estimate_loss(m, {"val": data}, cfg, "cpu")["val"])):
+        err = abs(loss(model) - loss(plain))
+        assert err < 1e-9 and model.training, f"{name} ({backend}): {err:.3g} off, training={model.training}"
 
 
 def test_the_attention_maps_are_the_weights_each_layer_attends_with(monkeypatch):
