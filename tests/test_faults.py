@@ -364,9 +364,9 @@ def straight(tmp_path_factory):
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGHUP", "SIGPIPE"])
 def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_to_the_same_weights(
         name, sigterm_run, straight, tmp_path, fork_train, monkeypatch):
-    """SIGINT or SIGHUP (its stdout a terminal, which goes; its handler replaced by a library's) to a forked train.main;
-    SIGTERM, or SIGPIPE (stdout's reader gone), to `python train.py`: exit 128 + N, its step saved; resumed to M: the
-    uninterrupted weights."""
+    """SIGINT or SIGHUP (its stdout a terminal, which goes; a resumed run) to a forked train.main whose handler a
+    library replaced; SIGTERM, or SIGPIPE (stdout's reader gone), to `python train.py`: exit 128 + N, its step saved;
+    resumed to M: the uninterrupted weights."""
     cfg, done, log = sigterm_run if name == "SIGTERM" else (endless(tmp_path), None, tmp_path / "log.txt")
     if name == "SIGTERM":
         rc = done.result(timeout=60)
@@ -380,6 +380,9 @@ def test_a_signal_mid_training_saves_its_last_step_exits_128_plus_n_and_resumes_
         finally:
             proc.kill()  # a no-op unless a failure left it running
     else:  # and in the first step a C library swaps in its own handler, as Triton's LLVM does compiling
+        if name == "SIGHUP":  # in a resumed run: its first step is not step 0, and must re-arm all the same
+            train.train(cfg.replace(max_iters=2), verbose=False)
+            cfg = cfg.replace(resume=True)
         libc, sig = ctypes.CDLL(None), signal.Signals[name]
         instrument(monkeypatch, lambda model, kind, counts, loss: (kind == "train" and counts[kind] == 1 and
                    libc.signal(sig, signal.SIG_DFL), loss)[1])

@@ -395,9 +395,9 @@ def test_muon_steps_by_orthogonalised_nesterov_momentum_scaled_up_for_tall_matri
 # --- devices: the dtype rule, and what a GPU step must not do -----------------------------------------
 
 @pytest.mark.parametrize("speedup, matmul, expected", [(3.0, (12 * 64, 128), torch.bfloat16),
-    (3.0, (2 ** 10, 2 ** 6 - 1), torch.float32), (1.5, (12 * 64, 128), torch.bfloat16), (1.4, (12 * 64, 128),
-    torch.float32), (0.09, (12 * 64, 128), torch.float32)], ids=["amx-laptop-recipe", "too-small", "gain-just-enough",
-    "too-little-gain", "avx2-only"])
+    (3.0, (2 ** 10, 2 ** 6 - 1), torch.float32), (3.0, (2 ** 10, 2 ** 6), torch.bfloat16), (1.5, (12 * 64, 128),
+    torch.bfloat16), (1.4, (12 * 64, 128), torch.float32), (0.09, (12 * 64, 128), torch.float32)],
+    ids=["amx-laptop-recipe", "too-small", "just-large-enough", "gain-just-enough", "too-little-gain", "avx2-only"])
 def test_auto_dtype_is_bf16_where_cpu_matmuls_are_fast_and_large(monkeypatch, tmp_path, speedup, matmul, expected):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(runtime, "cpu_bf16_speedup", lambda rows, width: speedup)
