@@ -212,8 +212,8 @@ def check_rule_far_out(window: int) -> str:
     q, k = far_positions()
     want = torch.tensor([reference.declared_rule(a, b, window)
                          for a, b in zip(q.flatten().tolist(), k.flatten().tolist(), strict=True)]).view(q.shape)
-    if (want & (k > q)).any():  # the checks clip it to the past: say so here
-        i = tuple((want & (k > q)).nonzero()[0])
+    if (ahead := want & (k > q)).any():  # the checks clip it to the past: say so here
+        i = tuple(ahead.nonzero()[0])
         return (f"tests/reference.py's declared_rule lets query {q[i]} read key {k[i]}, a later one: no rule may (the "
                 "checks hold the model to the rule without the later keys)")
     detail = describe(attn_lib.visible(q, k, window), want, rule_name(window), q=q, k=k)
@@ -500,9 +500,9 @@ def check_rolling_cache(model: GPT, x: Tensor) -> Check:
     held = sorted(cache.positions(0)[1].tolist())
     want = [k for k in range(T) if any(reference.declared_rule(q, k, W) for q in range(T, T + LONG))]
     missing, slots = sorted(set(want) - set(held)), max(W, len(want) + 1)
-    detail = "" if not missing and len(held) <= slots else \
-        f"it holds positions {held}, not {missing}, which {rule_name(W)} lets a later query read" if missing else \
-        f"it holds {len(held)} positions {held}, more than {slots}: later queries need {want}"
+    detail = (f"it holds positions {held}, not {missing}, which {rule_name(W)} lets a later query read" if missing else
+              f"it holds {len(held)} positions {held}, more than {slots}: later queries need {want}"
+              if len(held) > slots else "")
     return Check("model: rolling cache", not detail, float(len(missing) + max(0, len(held) - slots)), float(len(want)),
                  detail)
 

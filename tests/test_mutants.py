@@ -96,7 +96,6 @@ def test_a_catalogued_rule_that_reads_ahead_must_be_named_a_leak():
         assert (m.says == LEAK) == ahead, f"{m.name!r} reads ahead: {ahead}, but says {m.says!r}"
 
 
-
 def test_a_declared_rule_must_give_every_query_a_key_and_none_a_later_one(monkeypatch):
     """The declaration itself is checked (the checks clip it to the past): one that reads ahead, or leaves query 0 no
     key, is refused by name, not by a crash in the checks."""
