@@ -45,13 +45,16 @@ class SampleConfig:
     seed: int = opt(1337, "same seed, same text", rule="in [0, 2**62]")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps", rule="one of auto, cpu, cuda, cuda:N, mps")
     no_cache: bool = opt(False, "recompute the whole context per token")
-    slide: int = opt(1, "tokens a full window drops at once (1 = nanoGPT's crop)")
+    slide: int = opt(1, "tokens a full window drops at once (1 = nanoGPT's crop)", rule=">= 1")
     attention_png: str | None = opt(None, "draw the prompt's attention maps into FILE (a bare --attention_png: "
                                           "OUT_DIR/attention.png) instead of sampling", bare="")
 
     def __post_init__(self) -> None:
         check_fields(self)
-        check_sampling(self.temperature, self.top_k or None, self.top_p)  # --attention_png's too: none are ignored
+        try:  # --attention_png's too: none are ignored
+            check_sampling(self.temperature, self.top_k or None, self.top_p)
+        except ValueError as e:  # named as typed: --temperature
+            raise ValueError(f"--{e}") from None
 
 
 def load(args: SampleConfig) -> tuple[GPT, CharTokenizer, str, list[int], Path]:
@@ -102,7 +105,9 @@ def attention_png(args: SampleConfig) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(render_attention(maps, list(prompt))).save(path, format=None if path.suffix else "PNG")
     except (OSError, ValueError) as e:  # ValueError: PIL knows no format by that extension
-        raise ValueError(f"--attention_png: cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+        why = "a file stands where its folder should be" if isinstance(e, FileExistsError | NotADirectoryError) \
+            else getattr(e, "strerror", None) or e
+        raise ValueError(f"--attention_png: cannot write {path}: {why}") from None
     cropped = f" (the last {len(ids)} of the prompt's {len(full)} characters)" if len(full) > len(ids) else ""
     print(f"[wrote {path}: {len(maps)} layers x {maps[0].shape[0]} heads, {len(ids)} x {len(ids)}{cropped}]",
           file=sys.stderr)

@@ -230,6 +230,9 @@ REFUSALS = {  # what is done to run_dir (conftest.py): (the change, to its confi
     "flipped_byte": (lambda cfg, out: flip_a_weight_byte(out / CKPT_NAME) or cfg, ["fails its CRC-32 check"]),
     "not_ours": (lambda cfg, out: torch.save({"model": {}, "step": 4}, out / CKPT_NAME) or cfg,
                  ["is not a checkpoint written by this project"]),
+    "incomplete": (lambda cfg, out: torch.save({k: v for k, v in load_checkpoint(out / CKPT_NAME).items()
+                                                if k not in ("vocab", "rng")}, out / CKPT_NAME) or cfg,
+                   ["is an incomplete checkpoint: it has no vocab, rng; use another"]),
     "not_a_dict": (lambda cfg, out: torch.save(["a", "list"], out / CKPT_NAME) or cfg,
                    ["is not a checkpoint written by this project"]),
     "pickled_object": (lambda cfg, out: torch.save({**load_checkpoint(out / CKPT_NAME), "vocab": WritesMarker(
@@ -247,6 +250,9 @@ def test_a_checkpoint_that_cannot_be_continued_is_refused_before_out_dir_is_touc
     assert rc == 1 and all(needle in err for needle in needles), (needles, err)
     assert snapshot(out) == before, "out_dir changed"
     assert not (out.parent / "code_ran").exists(), "the pickled object's code ran"
+    if case == "incomplete":  # sampling needs only the model and its vocabulary
+        with pytest.raises(ValueError, match="it has no vocab; use"):
+            load_checkpoint(out / CKPT_NAME)
     if case == "pickled_object":  # positive control: the payload is armed
         torch.load(out / CKPT_NAME, weights_only=False)
         assert (out.parent / "code_ran").exists()

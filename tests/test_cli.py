@@ -148,11 +148,12 @@ def test_sample_options_take_a_value_after_a_space_and_a_bare_flag_takes_none():
 
 
 @pytest.mark.parametrize("argv, fragment", [  # {ckpt}: --ckpt=a_new's --device=cpu; {path}: a_new's checkpoint
-    ("{ckpt} --temperature=-1", "temperature must be a finite number >= 0, got -1.0"),
-    ("{ckpt} --top_p=0", "top_p must be in (0, 1], got 0.0"), ("{ckpt} --num_samples=0", "--num_samples must be >= 1"),
+    ("{ckpt} --temperature=-1", "--temperature must be a finite number >= 0, got -1.0"),
+    ("{ckpt} --top_p=0", "--top_p must be in (0, 1], got 0.0"),
+    ("{ckpt} --num_samples=0", "--num_samples must be >= 1"),
     ("{ckpt} --prompt= --prompt_file=prompt.txt", "--prompt or --prompt_file, not both"),
     ("{ckpt} --out_dir=out", "--out_dir or --ckpt, not both"),  # either, silently, would sample another run
-    ("--attention_png --prompt=R --top_p=7", "top_p must be in (0, 1], got 7.0"),  # checked before any model
+    ("--attention_png --prompt=R --top_p=7", "--top_p must be in (0, 1], got 7.0"),  # checked before any model
     ("{ckpt} --prompt_file=no/such.txt", "--prompt_file: cannot read no/such.txt: No such file or directory"),
     ("{ckpt} --prompt=RZ", "characters not in the vocabulary: 'Z'"),  # R is in it, so only Z is named
     ("{ckpt} --prompt=", "the prompt is empty"), ("--out_dir={path}", "is a file: give it as --ckpt={path}"),
@@ -166,8 +167,10 @@ def test_sample_options_take_a_value_after_a_space_and_a_bare_flag_takes_none():
     ("--max_new_tokens=-1", "--max_new_tokens must be >= 0, got -1"), ("--ckpt=", "--ckpt must be non-empty, got ''"),
     ("--out_dir=", "--out_dir must be non-empty"), ("--prompt_file=", "--prompt_file must be non-empty"),
     ("{ckpt} --slide=17", "slide must be an integer in [1, block_size=16], got 17"),
+    ("--slide=0", "--slide must be >= 1, got 0"),  # before any model
     ("--device=foo", "--device must be one of auto, cpu"), ("{ckpt} --device=cuda:64", "device='cuda:64' but this"),
     ("{ckpt} --prompt=R --attention_png=m.x", "write m.x: unknown file"),
+    ("{ckpt} --prompt=R --attention_png={path}/m.png", "write {path}/m.png: a file stands where its folder should be"),
     ("{ckpt} --attention_png", "--attention_png draws a prompt's attention: give --prompt=TEXT or --prompt_file=FILE"),
     ("out", "unexpected argument 'out': options start with --")])
 def test_a_bad_sample_command_line_is_one_error_line_before_any_text(runs, capsys, argv, fragment):

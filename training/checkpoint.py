@@ -119,8 +119,10 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
                                "checkpoint there (if any) is intact") from e
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read with weights_only=True after checking each record's CRC-32 (torch.load does not)."""
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
+                    needs: tuple[str, ...] = ("model", "model_config", "vocab")) -> dict[str, Any]:
+    """Read with weights_only=True after checking each record's CRC-32 (torch.load does not); refuse one without the
+    entries `needs` (sampling's by default)."""
     path = Path(path)
     if path.is_dir():
         way = f"give {path / CKPT_NAME}" if (path / CKPT_NAME).is_file() else f"it holds no {CKPT_NAME} either"
@@ -146,6 +148,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise ValueError(f"{path} is not a loadable checkpoint: {type(e).__name__}: {e}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path} is not a checkpoint written by this project (format {FORMAT})")
+    if missing := [k for k in needs if k not in ckpt]:  # a hand-edited file: say so, not KeyError
+        raise ValueError(f"{path} is an incomplete checkpoint: it has no {', '.join(missing)}; use another checkpoint")
     return ckpt
 
 
@@ -178,7 +182,8 @@ def checkpoint_to_resume(cfg: Any, model_config: GPTConfig, tok: CharTokenizer, 
     if not path.exists():
         where = f"beside it (--overwrite: in {path.parent})" if (path.parent / "config.json").exists() else "there"
         raise ValueError(f"--resume: no checkpoint at {path}; without --resume the run starts afresh {where}")
-    ckpt = load_checkpoint(path, map_location=device)
+    ckpt = load_checkpoint(path, device, ("model", "model_config", "config", "vocab", "optimizers", "step",
+                                          "best_val_loss", "rng", "history"))  # training_state's
     try:
         have = GPTConfig(**ckpt["model_config"]).to_dict()  # a field added since: its default
     except TypeError as e:  # a field this version lacks: a newer version's checkpoint
