@@ -110,6 +110,16 @@ def test_each_rank_and_restart_step_gets_its_own_seed_and_a_resumed_rank_draws_f
     assert torch.initial_seed() == cfg.seed + 1 + 2 * 4  # and its dropout's
 
 
+def test_only_rank_zero_hands_its_run_to_the_cpu_speed_record(run_dir, monkeypatch):
+    """compile='auto' reads one record per machine and shape: rank 0's run goes to it, another rank's never."""
+    given = []
+    monkeypatch.setattr(train.runtime, "record_speed", lambda cfg, summary: given.append(summary["steps_this_run"]))
+    for rank in (1, 0):  # rank 1 writes no checkpoint: rank 0 resumes from the same step
+        monkeypatch.setattr(train, "init_distributed", lambda env, device, rank=rank: Dist(rank=rank, world_size=2))
+        train.train(run_dir[0].replace(gradient_accumulation_steps=2), verbose=False)
+    assert given == [2]  # rank 0's 2 steps (record_speed itself keeps runs of 20 steps and more)
+
+
 @pytest.mark.parametrize("device, message", [("cuda:1", "under torchrun each process uses cuda:LOCAL_RANK"),
                                              ("mps", "device='mps' cannot run distributed"),
                                              ("cuda", "LOCAL_RANK=1 but this machine has 1 CUDA devices")])
