@@ -400,14 +400,17 @@ def test_a_prompt_longer_than_block_size_is_continued_and_its_last_block_size_ch
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's modes: x86 builds of PyTorch")
 @pytest.mark.parametrize("own", [None, "COMPATIBLE"])
-def test_train_py_puts_mkl_in_its_strict_reproducible_mode_before_its_first_matmul(tmp_path, own):
-    """Outside it a gemm can depend on the threads MKL takes (the load); train.py asks for it unless MKL_CBWR is set."""
+def test_both_programs_put_mkl_in_its_strict_reproducible_mode_before_their_first_matmul(tmp_path, own):
+    """Outside it a gemm can depend on the threads MKL takes (the load); train.py and sample.py ask for it unless
+    MKL_CBWR is set."""
     cfg = tiny_config(tmp_path, max_iters=1, eval_interval=1, eval_iters=1, exact_val=False, tensorboard=False)
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | {"MKL_VERBOSE": "1"}
     env |= {"MKL_CBWR": own} if own else {}  # a user's own mode is kept
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv_for(cfg)], env=env, capture_output=True,
-                         text=True, timeout=120).stdout
-    assert (modes := set(re.findall(r"CNR:(\S+)", out))) == {own or "AUTO,STRICT"}, modes
+    for program, args in (("train.py", argv_for(cfg)), ("sample.py", [f"--out_dir={cfg.out_dir}", "--device=cpu",
+                                                                      "--max_new_tokens=2"])):
+        out = subprocess.run([sys.executable, str(ROOT / program), *args], env=env, capture_output=True, text=True,
+                             timeout=120).stdout
+        assert (modes := set(re.findall(r"CNR:(\S+)", out))) == {own or "AUTO,STRICT"}, (program, modes)
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda p: p.name)

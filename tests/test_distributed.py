@@ -120,6 +120,19 @@ def test_only_rank_zero_hands_its_run_to_the_cpu_speed_record(run_dir, monkeypat
     assert given == [2]  # rank 0's 2 steps (record_speed itself keeps runs of 20 steps and more)
 
 
+def test_a_run_leaves_no_process_group_behind_however_it_ends(run_dir, monkeypatch, tmp_path):
+    """A group of one (gloo) stands in for torchrun's: a finished run and one refused in set-up destroy it (NCCL
+    warns at exit otherwise, and a second run in the process could not join one)."""
+    stores = itertools.count()
+    monkeypatch.setattr(train, "init_distributed", lambda env, device: torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/store{next(stores)}", rank=0, world_size=1) or Dist(enabled=True))
+    train.train(run_dir[0], verbose=False)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="seed: checkpoint 1337 vs config 1338"):
+        train.train(run_dir[0].replace(seed=1338), verbose=False)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("device, message", [("cuda:1", "under torchrun each process uses cuda:LOCAL_RANK"),
                                              ("mps", "device='mps' cannot run distributed"),
                                              ("cuda", "LOCAL_RANK=1 but this machine has 1 CUDA devices")])
