@@ -12,7 +12,6 @@ import torch
 
 from data import SEPARATOR, CharTokenizer, decode_utf8
 from model import GPT
-from model.gpt import check_sampling
 from training import CKPT_NAME, load_checkpoint, model_from_checkpoint, resolve_device
 from training.config import check_fields, opt, parse_args, print_help
 from training.faults import exit_code
@@ -38,9 +37,9 @@ class SampleConfig:
                                    "one with it, and each sample ends where its document does")
     prompt_file: str | None = opt(None, "UTF-8 file holding the prompt", rule="non-empty")
     max_new_tokens: int = opt(500, "characters per sample", rule=">= 0")
-    temperature: float = opt(0.8, "0 = greedy; < 1 sharper, > 1 more random")
+    temperature: float = opt(0.8, "0 = greedy; < 1 sharper, > 1 more random", rule=">= 0")
     top_k: int = opt(200, "keep the k likeliest tokens (0 = all)", rule=">= 0")
-    top_p: float = opt(1.0, "nucleus sampling mass (1 = off)")
+    top_p: float = opt(1.0, "nucleus sampling mass (1 = off)", rule="in (0, 1]")
     num_samples: int = opt(1, "samples, one generator for all", rule=">= 1")
     seed: int = opt(1337, "same seed, same text", rule="in [0, 2**62]")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps", rule="one of auto, cpu, cuda, cuda:N, mps")
@@ -50,11 +49,7 @@ class SampleConfig:
                                           "OUT_DIR/attention.png) instead of sampling", bare="")
 
     def __post_init__(self) -> None:
-        check_fields(self)
-        try:  # --attention_png's too: none are ignored
-            check_sampling(self.temperature, self.top_k or None, self.top_p)
-        except ValueError as e:  # named as typed: --temperature
-            raise ValueError(f"--{e}") from None
+        check_fields(self)  # the sampling options too, before any model: --attention_png's, so none are ignored
 
 
 def load(args: SampleConfig) -> tuple[GPT, CharTokenizer, str, list[int], Path]:

@@ -222,21 +222,16 @@ def rope_frequencies(positions: Tensor, head_dim: int, base: float = 10000.0,
     return torch.stack((angles.cos(), angles.sin()), -1)
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Refuse the options sample_next cannot draw with (sample.py: before it loads a model)."""
+def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                generator: torch.Generator | None = None) -> Tensor:
+    """logits (B, V) -> ids (B, 1). Temperature (0 = greedy), then the top_k likeliest, then of those
+    the smallest set whose mass reaches top_p."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-
-
-def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                generator: torch.Generator | None = None) -> Tensor:
-    """logits (B, V) -> ids (B, 1). Temperature (0 = greedy), then the top_k likeliest, then of those
-    the smallest set whose mass reaches top_p."""
-    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     # float64, max at 0: a tiny temperature sends the rest to -inf, not +inf (NaN)

@@ -148,7 +148,7 @@ def test_sample_options_take_a_value_after_a_space_and_a_bare_flag_takes_none():
 
 
 @pytest.mark.parametrize("argv, fragment", [  # {ckpt}: --ckpt=a_new's --device=cpu; {path}: a_new's checkpoint
-    ("{ckpt} --temperature=-1", "--temperature must be a finite number >= 0, got -1.0"),
+    ("{ckpt} --temperature=-1", "--temperature must be >= 0, got -1.0"),
     ("{ckpt} --top_p=0", "--top_p must be in (0, 1], got 0.0"),
     ("{ckpt} --num_samples=0", "--num_samples must be >= 1"),
     ("{ckpt} --prompt= --prompt_file=prompt.txt", "--prompt or --prompt_file, not both"),

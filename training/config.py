@@ -23,6 +23,7 @@ RANGES = {  # a field's `rule`; GPTConfig checks the model's fields
     ">= 0": lambda v: v >= 0,
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
     "in [0, 2**62]": lambda v: 0 <= v <= MAX_SEED,
     "non-empty": lambda v: v.strip() != "",  # "" is Path("."): a run into, or of, the current folder
     "one of auto, cpu, cuda, cuda:N, mps": lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v) is not None,
