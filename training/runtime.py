@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ import torch
 from .checkpoint import write_json
 
 KEPT = "the run's own, from its checkpoint"  # why a resumed run keeps its dtype and compile
+RECENT = 5  # runs of each kind (eager, compiled) whose median step time compile='auto' weighs
 # data-sheet dense bf16 FLOP/s; other GPUs get no MFU (unless --peak_tflops), not a guess
 PEAK_BF16_FLOPS = [(r"\bH200\b(?!.*\bNVL\b)", 989.4e12), (r"\bH100\b(?!.*\b(PCIe|NVL)\b)", 989.4e12),
                    (r"\bA100\b", 312e12), (r"\bL40S\b", 362e12), (r"\bL4\b", 121e12), (r"\bA10G\b", 70e12),
@@ -69,7 +71,7 @@ def remembered(name: str, measure: Callable[[], Any] | None = None, update: Call
 
 def speed_key(cfg: Any) -> str:
     """What a step's speed depends on: the model's shape, the batch, dtype, backend, dropout and biases (RESULTS.md)."""
-    return (f"step ms {cfg.n_layer}x{cfg.n_head}x{cfg.n_embd} block {cfg.block_size} batch {cfg.batch_size}x"
+    return (f"ms per step {cfg.n_layer}x{cfg.n_head}x{cfg.n_embd} block {cfg.block_size} batch {cfg.batch_size}x"
             f"{cfg.gradient_accumulation_steps} {cfg.dtype} {cfg.attn_backend} {cfg.pos_emb} qk_norm {cfg.qk_norm} "
             f"window {cfg.attn_window} doc_mask {cfg.doc_mask} {cfg.optimizer} dropout {cfg.dropout} bias {cfg.bias}")
 
@@ -94,23 +96,26 @@ def compile_time() -> float:
 
 
 def record_speed(cfg: Any, summary: dict) -> None:
-    """Keep this CPU run's median ms/step (and its compile's extra seconds, cold or warm) for compile='auto'."""
-    if summary["ms_per_step_median"] and summary["steps_this_run"] >= 20 and not summary["interrupted"]:
-        kind = "compiled" if cfg.compile == "true" else "eager"
-        new = {kind: summary["ms_per_step_median"]}
+    """Keep this CPU run's median ms/step, after the last RECENT - 1 of its kind (eager or compiled), and its
+    compile's extra seconds, cold or warm, for compile='auto'."""
+    ms = summary["ms_per_step_median"]
+    if ms and summary["steps_this_run"] >= 20 and not summary["interrupted"]:
+        kind, new = "compiled" if cfg.compile == "true" else "eager", {}
         if kind == "compiled":
             marker = compiled_here(cfg)
             new["warm_s" if marker.exists() else "cold_s"] = summary["compile_seconds"]
             with contextlib.suppress(OSError):  # no cache folder: nothing was cached
                 marker.touch()
-        remembered(speed_key(cfg), update=lambda kept: (kept or {}) | new)
+        remembered(speed_key(cfg),
+                   update=lambda kept: (kept or {}) | new | {kind: [*(kept or {}).get(kind, []), ms][-RECENT:]})
 
 
 def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int, kept: str | None = None
                     ) -> tuple[bool, str]:
     """'auto' -> the resumed run's `kept` choice; compile on CUDA; on a CPU where this machine's own runs of this
-    shape (record_speed keeps them) say compiled steps save more than twice what compiling costs: a cold compile's
-    seconds, or with the shape in inductor's cache a warm one's (0 until measured); else not. And why."""
+    shape (record_speed keeps them; their medians, so one lucky run flips nothing) say compiled steps save more than
+    twice what compiling costs: a cold compile's seconds, or with the shape in inductor's cache a warm one's (0 until
+    measured); else not. And why."""
     if choice == "auto" and kept not in (None, "auto"):
         return kept == "true", KEPT
     if choice != "auto":
@@ -121,9 +126,11 @@ def resolve_compile(choice: str, device: torch.device, cfg: Any, steps: int, kep
     if not {"eager", "compiled", "cold_s"} <= runs.keys():
         return False, "auto: its gain not measured here yet; --compile=true measures it"
     kind = "warm_s" if compiled_here(cfg).exists() else "cold_s"
-    saving, cost = steps * (runs["eager"] - runs["compiled"]) / 1000, max(runs.get(kind, 0), 0)
+    eager, compiled = statistics.median(runs["eager"]), statistics.median(runs["compiled"])
+    saving, cost = steps * (eager - compiled) / 1000, max(runs.get(kind, 0), 0)
     took = f"took {cost:.0f} s" if kind in runs else "is not measured yet"
-    return saving > 2 * cost, (f"auto: compiled {runs['compiled']:.0f} vs eager {runs['eager']:.0f} ms/step here, "
+    runs_of = f"{len(runs['compiled'])} and {len(runs['eager'])} runs"
+    return saving > 2 * cost, (f"auto: compiled {compiled:.0f} vs eager {eager:.0f} ms/step here ({runs_of}), "
                                f"{steps} steps save {saving:.0f} s, a {kind[:4]} compile {took}")
 
 
