@@ -109,7 +109,7 @@ def judge(name: str, change: Tensor, expected: Tensor, rule: str, tol: float = 0
     exactly where `expected` (the rule) allows, by at most tol elsewhere (not exact: only its own key need move)."""
     change, (Tq, Tk) = change.double().cpu(), change.shape
     must = expected if exact else torch.eye(Tk, dtype=torch.bool)[Tk - Tq:]
-    quiet, fired = _max(change[~expected]), change[must].min().item()
+    quiet, fired = _max(change[~expected]), change[must].min().item() if must.any() else 0.0  # a rule of no key
     detail = describe(change > tol, expected, rule, exact)
     if change.isnan().any():  # not "does not read": NaN compares false with everything
         i, j = change.isnan().nonzero()[0].tolist()

@@ -105,6 +105,8 @@ def test_a_declared_rule_must_give_every_query_a_key_and_none_a_later_one(monkey
         monkeypatch.setattr(reference, "declared_rule", lambda q, k, window=0, same_document=True, e=edit: e(q, k))
         check = C.check_mask(0)
         assert not check.ok and says in check.detail, check
+    monkeypatch.setattr(reference, "declared_rule", lambda q, k, window=0, same_document=True: k < 0)  # no key at all
+    assert [c.detail for c in C.attention_checks(0) if "raised" in c.detail] == []  # each says what is wrong
 
 
 def test_the_rolling_cache_holds_what_the_declared_rule_needs(monkeypatch):
