@@ -172,9 +172,13 @@ def test_sample_options_take_a_value_after_a_space_and_a_bare_flag_takes_none():
     ("{ckpt} --prompt=R --attention_png=m.x", "write m.x: unknown file"),
     ("{ckpt} --prompt=R --attention_png={path}/m.png", "write {path}/m.png: a file stands where its folder should be"),
     ("{ckpt} --attention_png", "--attention_png draws a prompt's attention: give --prompt=TEXT or --prompt_file=FILE"),
-    ("out", "unexpected argument 'out': options start with --")])
-def test_a_bad_sample_command_line_is_one_error_line_before_any_text(runs, capsys, argv, fragment):
+    ("out", "unexpected argument 'out': options start with --"),
+    ("", "no checkpoint under out/: run python train.py, or give --out_dir or --ckpt"),  # sampling before training
+    ("--out_dir=nowhere", "no checkpoint at nowhere/ckpt.pt: train one (python train.py) or give another --out_dir")])
+def test_a_bad_sample_command_line_is_one_error_line_before_any_text(runs, capsys, argv, fragment, tmp_path,
+                                                                     monkeypatch):
     path = runs[1]["a_new"]
+    monkeypatch.chdir(tmp_path)  # no out/ here
     code, out, err = run(capsys, sample, *argv.format(ckpt=f"--ckpt={path} --device=cpu", path=path).split())
     assert_one_error_line(code, err, fragment.format(path=path))
     assert out == "" and "'R'" not in err
