@@ -101,7 +101,8 @@ def test_batches_draw_their_windows_from_the_generator_reaching_offset_n_minus_t
 def test_eval_windows_cover_every_target_exactly_once_in_order_down_to_a_last_window_of_one():
     for n in range(6, 17):  # every N - 1 modulo T, twice
         windows = eval_windows(np.arange(n), 5)
-        assert [t for s, length in windows for t in range(s + 1, s + 1 + length)] == list(range(1, n)), n
+        assert [t for s, length in windows for t in range(s + 1, s + 1 + length)] == list(range(1, n)), \
+            f"N={n}, T=5: the windows {windows} do not score targets 1..{n - 1} once each, in order"
         assert all(0 < length <= 5 for _, length in windows)
     assert eval_windows(np.arange(12), 5) == [(0, 5), (5, 5), (10, 1)]  # (12 - 1) % 5 == 1
     assert eval_windows(np.arange(11), 5) == [(0, 5), (5, 5)]

@@ -170,7 +170,7 @@ def test_the_head_is_tied_to_the_embedding_and_residual_projections_start_smalle
             assert (w == 0).all(), name
         elif w.dim() == 2:
             want = 0.02 / math.sqrt(16) if name.endswith("proj.weight") else 0.02
-            assert w.std().item() == pytest.approx(want, rel=0.05), name
+            assert w.std().item() == pytest.approx(want, rel=0.05), f"{name}: std {w.std():.4f}, not {want:.4f}"
     x, y = torch.randint(50, (2, 8, 8))
     assert abs(model(x, y)[1].item() - math.log(50)) < 0.1  # the initial loss is about ln V
 
