@@ -425,6 +425,12 @@ def test_the_bf16_probe_is_measured_once_per_machine_and_shape_and_then_remember
     assert runtime.resolve_dtype("auto", cpu, (1536, 128))[0] == torch.float32 and measured == [768, 1536]  # new shape
     monkeypatch.setattr(torch, "get_num_threads", lambda: 99)  # another thread count times differently: measured anew
     assert runtime.resolve_dtype("auto", cpu, (768, 128))[0] == torch.float32 and measured == [768, 1536, 768]
+    read = Path.read_text  # VMs name a Zen 1 and a Zen 3 alike: the family tells them apart
+    for family in (23, 25, 23):
+        info = f"processor\t: 0\nmodel name\t: Test EPYC\ncpu family\t: {family}\nmodel\t\t: 1\n\nprocessor\t: 1\n"
+        monkeypatch.setattr(Path, "read_text", lambda p, *a, i=info: i if str(p) == "/proc/cpuinfo" else read(p, *a))
+        runtime.resolve_dtype("auto", cpu, (768, 128))
+    assert measured == [768, 1536, 768, 768, 768], measured
 
 
 @pytest.mark.parametrize("kept, warm, steps, want", [(None, 0, 10**5, 0), (RUNS, 0, 10**5, 1), (RUNS, 0, 2000, 0),

@@ -50,14 +50,15 @@ def reproducible_blas() -> None:
 
 def remembered(name: str, measure: Callable[[], Any] | None = None, update: Callable[[Any], Any] | None = None
                ) -> tuple[Any, Path]:
-    """What this machine (CPU model, torch build, threads) measured under `name`, kept in
+    """What this machine (CPU model and family, torch build, threads) measured under `name`, kept in
     $XDG_CACHE_HOME/gpt-char/probes.json so a decision never flips on one noisy timing: measure() once if nothing
     is kept (None without it); update(kept) replaces what is kept. Returns (value, that file)."""
     path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-char" / "probes.json"
     cpu, probes = "", {}
     with contextlib.suppress(OSError):  # no /proc/cpuinfo: platform.processor()
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first CPU's; a VM's "AMD EPYC" is any Zen
+        fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+        cpu = " ".join(fields.get(k, "") for k in ("model name", "cpu family", "model")).strip()
     key = f"{cpu or platform.processor()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {name}"
     with contextlib.suppress(OSError, ValueError):
         probes = json.loads(path.read_text())
