@@ -147,7 +147,7 @@ if want signals && [ $((DEADLINE - SECONDS)) -le $((after + 10)) ]; then
 elif want signals; then  # Triton's LLVM once took SIGTERM over (RESULTS.md): a compiled CUDA run must still save
     step "timeout's SIGTERM (to the process, then its group) to a compiled run on $DEVICE: it must save"
     timeout -s TERM "$after" python train.py configs/shakespeare_char_fast.toml --dataset="$DATA" --device="$DEVICE" \
-        --out_dir="$OUT_DIR/sig" --overwrite=true "${TRAIN_ARGS[@]}" --max_iters=100000 > "$OUT_DIR/signals.txt" 2>&1 &
+        --out_dir="$OUT_DIR/sig" --overwrite=true "${TRAIN_ARGS[@]}" --max_iters=100000 --lr_decay_iters=100000 > "$OUT_DIR/signals.txt" 2>&1 &
     tpid=$!
     sleep $((after - 5))
     pid=$(pgrep -P "$tpid")  # its signal masks (SigCgt 4000: TERM caught) and its children, just before the signals
@@ -155,6 +155,7 @@ elif want signals; then  # Triton's LLVM once took SIGTERM over (RESULTS.md): a 
     wait "$tpid"
     echo "timeout's status $? (124: it signalled); left: $(ls "$OUT_DIR/sig" | tr '\n' ' ')" >> "$OUT_DIR/signals_proc.txt"
     tail -3 "$OUT_DIR/signals.txt" | cat - "$OUT_DIR/signals_proc.txt" | tee -a "$LOG"
+    [ -f "$OUT_DIR/sig/ckpt.pt" ] || { echo "FAIL: the signalled run saved no checkpoint" | tee -a "$LOG"; status=1; }
 fi
 
 rm -rf "${OUT_DIR:?}/run" "${OUT_DIR:?}/sig"  # checkpoints and caches stay behind: only figures come back
