@@ -147,7 +147,8 @@ if want signals && [ $((DEADLINE - SECONDS)) -le $((after + 10)) ]; then
 elif want signals; then  # Triton's LLVM once took SIGTERM over (RESULTS.md): a compiled CUDA run must still save
     step "timeout's SIGTERM (to the process, then its group) to a compiled run on $DEVICE: it must save"
     timeout -s TERM "$after" python train.py configs/shakespeare_char_fast.toml --dataset="$DATA" --device="$DEVICE" \
-        --out_dir="$OUT_DIR/sig" --overwrite=true "${TRAIN_ARGS[@]}" --max_iters=100000 --lr_decay_iters=100000 > "$OUT_DIR/signals.txt" 2>&1 &
+        --out_dir="$OUT_DIR/sig" --overwrite=true "${TRAIN_ARGS[@]}" --max_iters=100000 --lr_decay_iters=100000 \
+        > "$OUT_DIR/signals.txt" 2>&1 &
     tpid=$!
     sleep $((after - 5))
     pid=$(pgrep -P "$tpid")  # its signal masks (SigCgt 4000: TERM caught) and its children, just before the signals
