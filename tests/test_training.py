@@ -273,6 +273,7 @@ def test_every_architecture_field_of_a_run_reaches_its_model():
     ("--bias=maybe", "config key bias: 'maybe' is not a valid bool (true or false)"),
     ("--text_column=body", "text_column='body' applies to hf: datasets only"),
     ("--device=tpu", "device must be one of auto, cpu, cuda, cuda:N, mps, got 'tpu'"),
+    ("--device=cuda0", "device must be one of auto, cpu, cuda, cuda:N, mps, got 'cuda0'"),  # whole, not a prefix
     (f"--seed={2**62 + 1}", f"seed must be in [0, 2**62], got {2**62 + 1}"),  # rank and step seeds stay int64
     ("--dataset=", "dataset must be non-empty, got ''"), ("--out_dir=' '", "out_dir must be non-empty, got ' '"),
     ("--warmup_iters=10 --lr_decay_iters=0 --max_iters=50", "lr_decay_iters=0 ends the decay before warmup_iters=10"),
