@@ -122,12 +122,13 @@ def instrument(monkeypatch, act) -> collections.Counter:
     return counts
 
 
-def signals_at(n: int, times: int = 1, sig: int = signal.SIGINT, gap: float = 0.0):
-    """An act (instrument) sending its process `times` sig, gap s apart, in the n-th training forward (step n - 1)."""
+def signals_at(n: int, times: int = 1, sig: int | tuple[int, ...] = signal.SIGINT, gap: float = 0.0):
+    """An act (instrument) sending its process `times` sig (or sig[i] the i-th time), gap s apart, in the n-th training
+    forward (step n - 1)."""
     def act(model, kind, counts, loss):
         for i in range(times if (kind, counts[kind]) == ("train", n) else 0):
             time.sleep(gap * (i > 0))
-            os.kill(os.getpid(), sig)  # its Python handler runs before the next bytecode
+            os.kill(os.getpid(), sig if isinstance(sig, int) else sig[i])  # its handler runs before the next bytecode
         return loss
     return act
 
@@ -178,11 +179,12 @@ def test_sigterm_inside_an_evaluation_ends_the_run_at_once_saving_the_last_compl
     assert guard.kept(0) == f"{out / CKPT_NAME} (step 0) is untouched"  # a checkpoint of step 0 is one too
 
 
-@pytest.mark.parametrize("second", ["inside_the_step", "inside_the_final_save"])
+@pytest.mark.parametrize("second", ["inside_the_step", "after_a_sigterm", "inside_the_final_save"])
 def test_a_second_ctrl_c_exits_at_once_with_130_saving_nothing(second, tmp_path, monkeypatch, fork_train):
-    """A second SIGINT exits at once: from the model in the first one's step (no checkpoint yet), or from outside in
-    the final save, made to hang (ckpt.pt untouched, the abandoned save's temporary file removed)."""
-    in_step = second == "inside_the_step"
+    """A second SIGINT exits at once: from the model in the first one's step (no checkpoint yet; the first a SIGINT or
+    a SIGTERM), or from outside in the final save, made to hang (ckpt.pt untouched, the abandoned save's temporary
+    file removed)."""
+    in_step, first = second != "inside_the_final_save", signal.SIGTERM if second == "after_a_sigterm" else signal.SIGINT
     cfg, log = endless(tmp_path, eval_interval=BIG if in_step else 2), tmp_path / "log.txt"
     path, real_save = Path(cfg.out_dir) / CKPT_NAME, torch.save
 
@@ -193,7 +195,8 @@ def test_a_second_ctrl_c_exits_at_once_with_130_saving_nothing(second, tmp_path,
             time.sleep(60)
         return real_save(obj, f, *args, **kwargs)
     monkeypatch.setattr(torch, "save", save)
-    instrument(monkeypatch, signals_at(3, times=2, gap=0.2) if in_step else signals_at(6))  # in step 2, or step 5
+    instrument(monkeypatch, signals_at(3, times=2, gap=0.2, sig=(first, signal.SIGINT)) if in_step  # in step 2,
+               else signals_at(6))  # or step 5
     proc = fork_train(cli_args(cfg), log)
     if not in_step:
         wait_for(lambda: "HANGING IN THE FINAL SAVE" in text(log), "the final save", log)
