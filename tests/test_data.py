@@ -214,7 +214,8 @@ def test_saved_splits_read_back_as_train_validation_test_or_one_split_by_name(hf
 
 
 def test_a_data_file_or_a_folder_of_them_loads_train_split_first_and_txt_files_read_as_plain_text(hf, tmp_path):
-    """A .txt file keeps its line breaks, and a folder of them reads the text the plain folder loader reads."""
+    """A .txt file keeps its line breaks, and a folder of them reads the text the plain folder loader reads; either
+    folder's documents are split into lines when asked."""
     rows = hf.Dataset.from_dict({"text": ["alpha\n", "beta\n"]})
     rows.to_parquet(tmp_path / "one.parquet")
     assert load_text(f"hf:{tmp_path / 'one.parquet'}")[0] == SEP + "alpha\n" + SEP + "beta\n"  # a row, a document
@@ -227,6 +228,8 @@ def test_a_data_file_or_a_folder_of_them_loads_train_split_first_and_txt_files_r
     (tmp_path / "texts" / "b.txt").write_text("last line\n", encoding="utf-8")
     assert load_text(f"hf:{tmp_path / 'texts' / 'a.txt'}")[0] == SEP + "line one\n\nline two"  # a file, a document
     assert load_text(f"hf:{tmp_path / 'texts'}")[0] == load_text(str(tmp_path / "texts"))[0]  # as plain text
+    for source in (str(tmp_path / "texts"), f"hf:{tmp_path / 'texts'}"):  # documents= splits each document further
+        assert load_text(source, documents="lines")[0] == SEP + "line one" + SEP + "line two" + SEP + "last line"
 
 
 def test_the_text_column_is_text_or_the_only_string_column_or_the_one_named(hf, tmp_path):
