@@ -237,4 +237,4 @@ def restore(ckpt: dict[str, Any] | None, optimizers: list[torch.optim.Optimizer]
     batch_gen.set_state(ckpt["rng"]["batch"].cpu())
     if device.type == "cuda" and "cuda" in ckpt["rng"]:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"].cpu(), device)
-    return ckpt["step"], ckpt["best_val_loss"], [h for h in ckpt["history"] if h["step"] <= ckpt["step"]]
+    return ckpt["step"], ckpt["best_val_loss"], ckpt["history"]  # saved with the evals up to its step
