@@ -235,18 +235,23 @@ def test_the_cache_feeds_one_token_per_step_and_recomputation_the_whole_window(s
 
 def test_a_windowed_rotary_model_generates_past_block_size_on_a_rolling_cache_without_re_prefilling():
     """rope, W=3: 4 blocks greedy as by full forwards, the cache fed one token a step, in fewer slots than a block (what
-    they hold: check_rolling_cache)."""
+    they hold: check_rolling_cache); without the cache, each step recomputes the n_layer * (W - 1) + 1 tokens the next
+    one depends on, at their own positions."""
     model = C.redraw_parameters_(GPT(tiny(pos_emb="rope", attn_window=3)).double()).eval()
     seq = prompt = torch.randint(11, (2, 5), generator=torch.Generator().manual_seed(0))
     for _ in range(48):  # the documented result: every earlier token at its own position
         seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
     assert len(set(seq[0, 5:].tolist())) > 2  # not a constant stream: the equality below is informative
-    fed = []  # (tokens, cache) per forward
-    model.register_forward_pre_hook(lambda _m, a, kw: fed.append((a[0].size(1), kw.get("cache"))), with_kwargs=True)
+    fed = []  # (tokens, cache, start) per forward
+    model.register_forward_pre_hook(lambda _m, a, kw: fed.append((a[0].size(1), kw.get("cache"), kw.get("start"))),
+                                    with_kwargs=True)
     assert torch.equal(model.generate(prompt, 48, temperature=0), seq)
-    assert [n for n, _ in fed] == [5] + [1] * 47 and all(c is fed[0][1] for _, c in fed)
+    assert [n for n, _, _ in fed] == [5] + [1] * 47 and all(c is fed[0][1] for _, c, _ in fed)
     assert all(k.size(2) == fed[0][1].size < model.config.block_size for k in fed[0][1].k + fed[0][1].v)
     assert torch.equal(model.generate(prompt, 48, temperature=0, use_cache=False), seq)
+    reach = model.config.n_layer * (3 - 1) + 1
+    assert [(n, start) for n, _, start in fed[48:]] == [(min(t, reach), t - min(t, reach)) for t in range(5, 53)], \
+        f"(tokens fed, start) of each uncached step: not the last {reach} tokens at their positions"
     learned = GPT(tiny(attn_window=3)).eval()  # a position table still ends at block_size: the window slides
     assert learned.generate(prompt, 48).shape == (2, 53)
     with pytest.raises(ValueError, match="exceeds block_size 12"):
