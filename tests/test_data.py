@@ -158,7 +158,8 @@ def test_a_utf8_file_is_read_as_it_is_and_a_non_utf8_one_an_unknown_dataset_or_a
 
 @pytest.mark.parametrize("n_train, n_val, split, suggestion", [
     (40, 5, "val", "--block_size=4 or less"), (3, 40, "train", "--block_size=2 or less"),
-    (40, 1, "val", "a smaller block_size"), (40, 16, "val", "--block_size=15 or less")])
+    (40, 2, "val", "--block_size=1 or less"), (40, 1, "val", "a smaller block_size"),  # the last that fits, none
+    (40, 16, "val", "--block_size=15 or less")])
 def test_a_split_too_short_is_named_with_the_largest_block_size_that_fits(n_train, n_val, split, suggestion):
     corpus = Corpus(np.zeros(n_train, np.uint16), np.zeros(n_val, np.uint16), CharTokenizer("a"), "x")
     n = min(n_train, n_val)
